@@ -1,0 +1,62 @@
+"""Drafters propose tokens; the policy (policy/) decides how many.
+
+Drafter protocol (all row arguments are KV-cache rows of the engine's target cache)::
+
+    name: str
+    admit(rows, tokens)                 new requests joined on these rows
+    propose(rows, tokens, k, sampling, generators)
+        -> draft_tokens [B,K] long, draft_probs [B,K,V] | None, num_drafts [B] long
+        tokens[b] is the row's whole sequence so far; its last token is the pending
+        one (not yet in the target's cache). k[b] drafts for row b (0 allowed).
+        num_drafts[b] <= k[b]: a drafter may find fewer (prompt lookup without a match).
+        draft_probs None means the drafter has no distribution (q is one-hot).
+    rollback(rows, committed)           the target kept committed[b] tokens in cache
+    release(rows)                       the rows' requests left the batch
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+class Drafter(Protocol):
+    name: str
+
+    def admit(self, rows: list[int], tokens: list[list[int]]) -> None: ...
+
+    def propose(self, rows: list[int], tokens: list[list[int]], k: list[int],
+                sampling: list[SamplingParams], generators: list
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
+
+    def rollback(self, rows: list[int], committed: list[int]) -> None: ...
+
+    def release(self, rows: list[int]) -> None: ...
+
+
+def make_drafter(spec: str | None, target, target_tokenizer, *, max_rows: int, max_len: int,
+                 progress: bool = True):
+    """Build a drafter from a CLI/server spec: None|'none', 'lookup[:N]', 'layerskip:N',
+    or a model (preset name, directory, GGUF file, hub id)."""
+    if spec is None or spec == "none":
+        return None
+    if spec == "lookup" or spec.startswith("lookup:"):
+        from .lookup import PromptLookupDrafter
+        n = int(spec.split(":", 1)[1]) if ":" in spec else 3
+        return PromptLookupDrafter(max_ngram=n)
+    if spec.startswith("layerskip:"):
+        from .layerskip import LayerSkipDrafter
+        try:
+            n = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"layerskip:N needs an integer layer count, got {spec!r}") from None
+        return LayerSkipDrafter(target, n)
+    from ..models import load_model
+    from .draft_model import DraftModelDrafter
+    loaded = load_model(spec, progress=progress)
+    return DraftModelDrafter(loaded.model, target.config.vocab_size, max_rows=max_rows,
+                             max_len=max_len, draft_tokenizer=loaded.tokenizer,
+                             target_tokenizer=target_tokenizer, name=spec)

@@ -1,0 +1,87 @@
+"""A second, smaller model with the same tokenizer drafts autoregressively.
+
+It keeps its own KV cache, rows aligned with the target's. Its cache may lag the
+sequence: every proposal first feeds the tokens the draft has not seen yet (the
+pending token, plus the last draft token after a step that accepted every draft and
+added a bonus token: the "catch-up"), then drafts one token per forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import logits_to_probs, sample
+
+
+class TokenizerMismatchError(ValueError):
+    pass
+
+
+def check_same_tokenizer(draft_tok, target_tok) -> None:
+    if draft_tok is None or target_tok is None:
+        return
+    if draft_tok.get_vocab() != target_tok.get_vocab():
+        raise TokenizerMismatchError(
+            "the draft model's tokenizer differs from the target's: speculative decoding "
+            "needs both to share one vocabulary (pick a draft from the same model family)")
+
+
+class DraftModelDrafter:
+    def __init__(self, model, target_vocab: int, *, max_rows: int, max_len: int,
+                 draft_tokenizer=None, target_tokenizer=None, name: str = "draft-model"):
+        check_same_tokenizer(draft_tokenizer, target_tokenizer)
+        if model.config.vocab_size > target_vocab:
+            raise TokenizerMismatchError(
+                f"draft vocabulary ({model.config.vocab_size}) is larger than the target's ({target_vocab})")
+        self.model = model
+        self.name = name
+        self.target_vocab = target_vocab
+        self.cache = model.new_cache(max_rows, max_len)
+
+    def admit(self, rows, tokens):
+        for r in rows:
+            self.cache.in_use[r] = True
+            self.cache.lengths[r] = 0
+
+    def propose(self, rows, tokens, k, sampling, generators):
+        B, K = len(rows), max(k, default=0)
+        out = torch.zeros(B, K, dtype=torch.long)  # [B,K]
+        # greedy rows draft the argmax, so q is one-hot: None says exactly that, cheaply
+        need_q = any(not sampling[b].greedy for b in range(B) if k[b] > 0)
+        probs = torch.zeros(B, K, self.target_vocab) if need_q else None  # [B,K,V]
+        num = torch.tensor(k, dtype=torch.long)  # [B]
+        active = [b for b in range(B) if k[b] > 0]
+        if not active:
+            return out, probs, num
+        # 1. catch up: feed what the draft cache has not seen, pending token included
+        lens = self.cache.lengths  # [R] CPU
+        feeds = [tokens[b][int(lens[rows[b]]):] for b in active]
+        T = max(map(len, feeds))
+        x = torch.zeros(len(active), T, dtype=torch.long)  # [B',T]
+        for i, f in enumerate(feeds):
+            x[i, :len(f)] = torch.tensor(f)
+        act_rows = [rows[b] for b in active]
+        logits = self.model.forward(x, self.cache, act_rows, [len(f) for f in feeds], last_only=True)
+        # 2. draft one token per pass; rows leave once they have k[b] drafts
+        for i in range(K):
+            V = logits.shape[-1]
+            for j, b in enumerate(active):
+                q = logits_to_probs(logits[j], sampling[b])  # [V]
+                if need_q:
+                    probs[b, i, :V] = q
+                out[b, i] = (q.argmax() if sampling[b].greedy
+                             else sample(q[None], generators[b])[0])
+            active = [b for b in active if k[b] > i + 1]
+            if not active:
+                break
+            logits = self.model.forward(out[active, i:i + 1], self.cache,
+                                        [rows[b] for b in active], last_only=True)
+        return out, probs, num
+
+    def rollback(self, rows, committed):
+        lens = self.cache.lengths
+        for r, c in zip(rows, committed):
+            lens[r] = min(int(lens[r]), c)
+
+    def release(self, rows):
+        self.cache.free(rows)

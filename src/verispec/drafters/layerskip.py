@@ -1,0 +1,68 @@
+"""Layer-skip self-draft: the target's first N layers, then its final norm and LM head.
+
+It shares the target's weights and KV cache (no extra weights in memory). Drafting
+writes layers < N at the positions after the row's committed length; the target's
+verification pass then rewrites those positions for every layer, so proposing ends
+by rolling the shared cache back to where it started.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import logits_to_probs, sample
+
+
+class LayerSkipDrafter:
+    def __init__(self, target, num_layers: int):
+        L = target.config.num_layers
+        if not 1 <= num_layers < L:
+            raise ValueError(f"layerskip:N needs 1 <= N < {L} (the target's layer count), got {num_layers}")
+        self.target = target
+        self.num_layers = num_layers
+        self.name = f"layerskip:{num_layers}"
+        self.cache = None  # bound by the engine: the target's cache
+
+    def bind_cache(self, cache) -> None:
+        self.cache = cache
+
+    def admit(self, rows, tokens):
+        pass
+
+    def propose(self, rows, tokens, k, sampling, generators):
+        B, K = len(rows), max(k, default=0)
+        V = self.target.config.vocab_size
+        out = torch.zeros(B, K, dtype=torch.long)  # [B,K]
+        # greedy rows draft the argmax, so q is one-hot: None says exactly that, cheaply
+        need_q = any(not sampling[b].greedy for b in range(B) if k[b] > 0)
+        probs = torch.zeros(B, K, V) if need_q else None  # [B,K,V]
+        num = torch.tensor(k, dtype=torch.long)  # [B]
+        active = [b for b in range(B) if k[b] > 0]
+        if not active:
+            return out, probs, num
+        start = self.cache.lengths[[rows[b] for b in active]].clone()  # [B'] committed lengths
+        x = torch.tensor([[tokens[b][-1]] for b in active])  # [B',1] pending tokens
+        act_rows = [rows[b] for b in active]
+        for i in range(K):
+            logits = self.target.forward(x, self.cache, act_rows, last_only=True,
+                                         num_layers=self.num_layers)
+            for j, b in enumerate(active):
+                q = logits_to_probs(logits[j], sampling[b])
+                if need_q:
+                    probs[b, i] = q
+                out[b, i] = q.argmax() if sampling[b].greedy else sample(q[None], generators[b])[0]
+            keep = [j for j, b in enumerate(active) if k[b] > i + 1]
+            if not keep:
+                break
+            active = [active[j] for j in keep]
+            act_rows = [rows[b] for b in active]
+            x = out[active, i:i + 1]
+        all_rows = [rows[b] for b in range(B) if k[b] > 0]
+        self.cache.truncate(all_rows, start)
+        return out, probs, num
+
+    def rollback(self, rows, committed):
+        pass  # the target's own rollback covers the shared cache
+
+    def release(self, rows):
+        pass

@@ -1,0 +1,6 @@
+"""The speculative engine: propose -> verify -> accept -> commit/rollback, for ragged batches."""
+
+from .core import Engine, EngineConfig
+from .request import GenerationParams, Request, RequestStats
+
+__all__ = ["Engine", "EngineConfig", "GenerationParams", "Request", "RequestStats"]

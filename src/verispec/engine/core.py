@@ -1,0 +1,219 @@
+"""The engine: continuous batching around one short, linear speculative step.
+
+Invariant between steps, for every running request r on cache row r.row:
+    r.tokens[-1] is the *pending* token (sampled, not yet in the target cache), and
+    target cache length == len(r.tokens) - 1.
+A plain decoding step is the same step with k = 0 drafts for every row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..policy import FixedK
+from ..sampling import logits_to_probs
+from ..verify import LOSSY_RULES, RULES, verify
+from .request import Request
+
+
+class ContextLengthError(ValueError):
+    """A prompt plus max_new_tokens does not fit the engine's context."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 8  # rows decoded together
+    max_len: int = 2048  # prompt + generated tokens per row
+    rule: str = "rejection"  # verification rule; see verify/
+
+    def __post_init__(self):
+        if self.rule not in RULES:
+            raise ValueError(f"unknown verification rule {self.rule!r}; valid: {', '.join(RULES)}")
+        if self.max_batch < 1 or self.max_len < 2:
+            raise ValueError("max_batch must be >= 1 and max_len >= 2")
+
+    @property
+    def lossy(self) -> bool:
+        return self.rule in LOSSY_RULES
+
+
+@dataclass
+class StepTimes:
+    """Where step time goes; bookkeeping = all but model forwards."""
+
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_forward_s: float = 0.0
+    other_s: float = 0.0
+    steps: int = 0
+    per_step: list = field(default_factory=list)  # (batch, sum k, seconds)
+
+    def to_dict(self) -> dict:
+        total = self.prefill_s + self.draft_s + self.verify_forward_s + self.other_s
+        return {"prefill_s": self.prefill_s, "draft_s": self.draft_s,
+                "verify_forward_s": self.verify_forward_s, "bookkeeping_s": self.other_s,
+                "steps": self.steps,
+                "bookkeeping_fraction": self.other_s / total if total else None}
+
+
+class Engine:
+    def __init__(self, target, drafter=None, policy=None, config: EngineConfig = EngineConfig()):
+        self.target = target
+        self.drafter = drafter
+        self.policy = policy if policy is not None else FixedK(0 if drafter is None else 4)
+        if drafter is None and self.policy.max_k > 0:
+            raise ValueError("a policy that drafts needs a drafter")
+        self.config = config
+        slack = self.policy.max_k + 1  # a verify pass may write past the last kept token
+        self.cache = target.new_cache(config.max_batch, config.max_len + slack)
+        if hasattr(drafter, "bind_cache"):
+            drafter.bind_cache(self.cache)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.times = StepTimes()
+
+    # -- lifecycle -------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        total = len(req.prompt_ids) + req.params.max_new_tokens
+        if total > self.config.max_len:
+            raise ContextLengthError(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.params.max_new_tokens}) "
+                f"= {total} exceeds the context of {self.config.max_len} tokens")
+        if req.generator is None:
+            req.generator = req.params.sampling.make_generator()
+        self.waiting.append(req)
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request; its row is freed now (call between steps)."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self._finish(req, "cancelled")
+            self.running.remove(req)
+        req.finished, req.finish_reason = True, req.finish_reason or "cancelled"
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finished, req.finish_reason = True, reason
+        req.stats.time_s = time.perf_counter() - req._t0
+        self.cache.free([req.row])
+        if self.drafter is not None:
+            self.drafter.release([req.row])
+
+    def _admit(self) -> None:
+        new = []
+        while self.waiting and len(self.running) + len(new) < self.config.max_batch:
+            new.append(self.waiting.popleft())
+        if not new:
+            return
+        t0 = time.perf_counter()
+        rows = self.cache.alloc(len(new))
+        for r, row in zip(new, rows):
+            r.row, r._t0 = row, t0
+        # prefill all but the pending token (the last prompt token)
+        lens = [len(r.prompt_ids) - 1 for r in new]
+        if max(lens) > 0:
+            x = torch.zeros(len(new), max(lens), dtype=torch.long)  # [B,T]
+            for b, r in enumerate(new):
+                x[b, :lens[b]] = torch.tensor(r.prompt_ids[:-1])
+            self.target.forward(x, self.cache, rows, lens, last_only=True)
+        if self.drafter is not None:
+            self.drafter.admit(rows, [r.tokens for r in new])
+        self.running.extend(new)
+        self.times.prefill_s += time.perf_counter() - t0
+
+    # -- the step ----------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One propose -> verify -> accept -> commit step for every running row.
+        Returns the requests that finished in this step."""
+        self._admit()
+        reqs = self.running
+        if not reqs:
+            return []
+        t0 = time.perf_counter()
+        B, rows = len(reqs), [r.row for r in reqs]
+        n0 = [len(r.tokens) for r in reqs]  # sequence lengths; cache holds n0 - 1
+        # 1. how many drafts per row: the policy's choice, capped by what the row can still emit
+        k = self.policy.choose(reqs) if self.drafter is not None else [0] * B
+        k = [max(0, min(kb, r.params.max_new_tokens - len(r.output_ids) - 1)) for kb, r in zip(k, reqs)]
+        # 2. propose
+        K = max(k)
+        t1 = time.perf_counter()
+        if K > 0:
+            drafts, q, num = self.drafter.propose(rows, [r.tokens for r in reqs], k,
+                                                   [r.params.sampling for r in reqs],
+                                                   [r.generator for r in reqs])
+        else:
+            drafts, q, num = torch.zeros(B, 0, dtype=torch.long), None, torch.zeros(B, dtype=torch.long)
+        t2 = time.perf_counter()
+        # 3. verify all rows in ONE target pass over [pending, d_1..d_k]
+        K = drafts.shape[1]
+        x = torch.cat([torch.tensor([[r.tokens[-1]] for r in reqs]), drafts], dim=1)  # [B,K+1]
+        logits = self.target.forward(x, self.cache, rows, (num + 1).tolist())  # [B,K+1,V]
+        t3 = time.perf_counter()
+        # 4. accept per row: greedy rows together, sampled rows each with its own generator
+        out = torch.full((B, K + 1), -1, dtype=torch.long)  # [B,K+1]
+        n_acc = torch.zeros(B, dtype=torch.long)  # [B]
+        greedy = [b for b, r in enumerate(reqs) if r.params.sampling.greedy]
+        if greedy:
+            gi = torch.tensor(greedy)
+            o, a = verify("greedy", logits[gi], None, drafts[gi], num[gi], None)
+            out[gi], n_acc[gi] = o, a
+        for b, r in enumerate(reqs):
+            if r.params.sampling.greedy:
+                continue
+            p = logits_to_probs(logits[b:b + 1], r.params.sampling)  # [1,K+1,V]
+            qb = None if q is None else q[b:b + 1, :, :p.shape[-1]]
+            o, a = verify(self.config.rule, p, qb, drafts[b:b + 1], num[b:b + 1], r.generator)
+            out[b], n_acc[b] = o[0], a[0]
+        # 5. commit: append emitted tokens, apply stops, roll caches back to each row's length
+        out_l, acc_l = out.tolist(), n_acc.tolist()  # sync: one transfer for the whole batch
+        committed, finished = [], []
+        for b, r in enumerate(reqs):
+            emitted = out_l[b][:acc_l[b] + 1]
+            r.stats.record_step(int(num[b]), acc_l[b])
+            reason = None
+            for tok in emitted:
+                r.output_ids.append(tok)
+                if not r.params.ignore_eos and tok in r.params.stop_token_ids:
+                    reason = "stop"
+                    break
+                if len(r.output_ids) >= r.params.max_new_tokens:
+                    reason = "length"
+                    break
+            r.stats.generated_tokens = len(r.output_ids)
+            committed.append(len(r.tokens) - 1)
+            if reason:
+                finished.append((r, reason))
+        self.cache.truncate(rows, committed)
+        if self.drafter is not None:
+            self.drafter.rollback(rows, committed)
+        self.policy.observe(reqs, k, acc_l)
+        for r, reason in finished:
+            self._finish(r, reason)
+        done = {id(r) for r, _ in finished}
+        self.running = [r for r in reqs if id(r) not in done]
+        t4 = time.perf_counter()
+        self.times.draft_s += t2 - t1
+        self.times.verify_forward_s += t3 - t2
+        self.times.other_s += (t1 - t0) + (t4 - t3)
+        self.times.steps += 1
+        self.times.per_step.append((B, int(num.sum()), t4 - t0))
+        return [r for r, _ in finished]
+
+    def run(self, requests: list[Request], on_finish=None) -> list[Request]:
+        """Decode requests to completion with continuous batching (rows refill as others end)."""
+        for r in requests:
+            self.add(r)
+        while self.has_work:
+            for r in self.step():
+                if on_finish is not None:
+                    on_finish(r)
+        return requests

@@ -1,0 +1,100 @@
+"""Request lifecycle: what a caller asks for, and the structured stats it gets back."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_new_tokens: int = 64
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # with True, stop_token_ids are not applied (fixed-length runs)
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class RequestStats:
+    """Per-request speculation record, read by the CLI, the audit and the metrics endpoint."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    target_passes: int = 0  # verification (or plain decoding) forward passes
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    k_chosen: list[int] = field(default_factory=list)  # drafts per step, as the policy chose
+    time_s: float = 0.0  # wall time from admission to finish
+
+    def record_step(self, k: int, accepted: int) -> None:
+        self.target_passes += 1
+        self.drafted += k
+        self.accepted += accepted
+        self.k_chosen.append(k)
+        for lst in (self.drafted_per_position, self.accepted_per_position):
+            if len(lst) < k:
+                lst.extend([0] * (k - len(lst)))
+        for i in range(k):
+            self.drafted_per_position[i] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens emitted per target pass (1.0 = plain decoding)."""
+        return self.generated_tokens / self.target_passes if self.target_passes else None
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "target_passes": self.target_passes,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_per_position": [a / d if d else None for a, d in
+                                        zip(self.accepted_per_position, self.drafted_per_position)],
+            "time_s": self.time_s,
+            "tokens_per_s": self.generated_tokens / self.time_s if self.time_s else None,
+        }
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: GenerationParams = GenerationParams()
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    stats: RequestStats = field(default_factory=RequestStats)
+    # engine-owned state
+    row: int | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise ValueError("empty prompt: at least one token is required")
+        self.stats.prompt_tokens = len(self.prompt_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt and generated tokens so far."""
+        return self.prompt_ids + self.output_ids

@@ -1,0 +1,35 @@
+"""How many tokens to draft per row per step. Drafters make tokens; policies pick k.
+
+Policy protocol::
+
+    max_k: int                          upper bound on any choice (sizes the cache slack)
+    choose(requests) -> list[int]       k per row, from what was known before this step
+    observe(requests, k, accepted)      the step's outcome, for adaptive policies
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Policy(Protocol):
+    max_k: int
+
+    def choose(self, requests: list) -> list[int]: ...
+
+    def observe(self, requests: list, k: list[int], accepted: list[int]) -> None: ...
+
+
+class FixedK:
+    """Draft the same k tokens for every row at every step (k = 0: plain decoding)."""
+
+    def __init__(self, k: int):
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        self.max_k = k
+
+    def choose(self, requests):
+        return [self.max_k] * len(requests)
+
+    def observe(self, requests, k, accepted):
+        pass

@@ -1,0 +1,35 @@
+"""Tiny random Llama / Qwen2 checkpoints built with Hugging Face transformers, for fast tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from verispec.models.config import ModelConfig
+from verispec.models.llama import LlamaModel
+
+
+def tiny_hf(arch: str, seed: int = 0, tie: bool = False, vocab: int = 97):
+    torch.manual_seed(seed)
+    kw = dict(hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512,
+              tie_word_embeddings=tie, rms_norm_eps=1e-5)
+    if arch == "qwen2":
+        hf = Qwen2ForCausalLM(Qwen2Config(**kw))
+    else:
+        hf = LlamaForCausalLM(LlamaConfig(**kw))
+    # random init leaves biases at zero: make them count
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+    hf.eval()
+    return hf
+
+
+def native_from_hf(hf) -> LlamaModel:
+    cfg = ModelConfig.from_hf_dict(hf.config.to_dict())
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    return LlamaModel(cfg, sd)
