@@ -1,0 +1,1 @@
+"""The audit: equivalence, distribution, corruption signatures, slices, load, report."""

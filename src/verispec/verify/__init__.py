@@ -1,0 +1,25 @@
+"""Pure verification rules: rejection (exact), greedy, typical-lossy (lossy, Medusa)."""
+
+from verispec.verify.rules import (
+    LOSSY_RULES,
+    RESIDUAL_EPS,
+    RULES,
+    VerifyResult,
+    greedy,
+    rejection,
+    sample_from_probs,
+    typical_lossy,
+    verify,
+)
+
+__all__ = [
+    "LOSSY_RULES",
+    "RESIDUAL_EPS",
+    "RULES",
+    "VerifyResult",
+    "greedy",
+    "rejection",
+    "sample_from_probs",
+    "typical_lossy",
+    "verify",
+]
