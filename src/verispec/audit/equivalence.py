@@ -1,0 +1,54 @@
+"""Greedy equivalence against a non-speculative reference: exact match, first
+divergence, and the reference's top-2 logit margin there (near-tie vs bug)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+TIE_MARGIN = 1e-4  # a divergence below this top-2 logit margin is numerics, not a bug
+
+
+@dataclass(frozen=True)
+class Comparison:
+    exact: bool
+    first_divergence: int | None  # index into the generated tokens
+    margin: float | None  # reference's top-2 logit margin at the first divergence
+    verdict: str  # "identical" | "near-tie" | "divergence"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def first_divergence(ref: list[int], got: list[int]) -> int | None:
+    """Index of the first differing token (a length difference counts), None if equal."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            return i
+    return None if len(ref) == len(got) else min(len(ref), len(got))
+
+
+def top2_margin(logits: torch.Tensor) -> float:
+    """logits [V] -> largest minus second-largest logit."""
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def reference_logits_at(model, prompt: list[int], ref: list[int], index: int) -> torch.Tensor:
+    """Teacher-force the reference model: logits [V] that predicted ref[index]."""
+    seq = prompt + ref[:index]
+    cache = model.new_cache(1, len(seq) + 1)
+    row = cache.alloc()
+    return model.forward(torch.tensor([seq]), cache, row, last_only=True)[0]
+
+
+def compare(prompt: list[int], ref: list[int], got: list[int], margin_fn, tie_margin: float = TIE_MARGIN) -> Comparison:
+    """margin_fn(prompt, ref, index) -> logits [V] of the reference at that index."""
+    i = first_divergence(ref, got)
+    if i is None:
+        return Comparison(True, None, None, "identical")
+    if i >= len(ref):  # the candidate ran on past the reference's end: the reference stopped
+        return Comparison(False, i, None, "divergence")
+    m = top2_margin(margin_fn(prompt, ref, i))
+    return Comparison(False, i, m, "near-tie" if m < tie_margin else "divergence")
