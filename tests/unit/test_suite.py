@@ -1,0 +1,109 @@
+"""The audit prompt suite: the packaged default suite and the JSONL loader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from verispec.audit.suite import SuitePrompt, load_suite, slices
+
+EXPECTED_SLICES = ["code", "math", "chat", "summarisation", "translation", "json", "html", "adversarial"]
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_default_suite_has_all_slices():
+    suite = load_suite()
+    assert suite == load_suite("default")
+    groups = slices(suite)
+    assert list(groups) == EXPECTED_SLICES
+    for name, prompts in groups.items():
+        assert len(prompts) >= 10, name
+        assert all(p.slice == name for p in prompts)
+    ids = [p.id for p in suite]
+    assert len(ids) == len(set(ids))
+    assert all(isinstance(p, SuitePrompt) and p.prompt.strip() for p in suite)
+    assert len({p.prompt for p in suite}) == len(suite)
+
+
+def test_default_file_is_specbench_compatible():
+    from importlib import resources
+
+    text = resources.files("verispec.data").joinpath("suite_default.jsonl").read_text(encoding="utf-8")
+    for line in text.splitlines():
+        rec = json.loads(line)
+        assert rec["turns"] == [rec["prompt"]]
+        assert rec["id"].startswith(rec["slice"] + "-")
+
+
+def test_summarisation_prompts_carry_their_text():
+    for p in slices(load_suite())["summarisation"]:
+        assert p.prompt.startswith("Summarise the following text in 3 sentences:")
+        assert len(p.prompt.split()) >= 120
+
+
+def test_specbench_format(tmp_path):
+    path = _write(tmp_path / "question.jsonl", [
+        json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a travel blog post.", "Rewrite it."]}),
+        json.dumps({"question_id": 82, "category": "math", "turns": ["What is 2+2?"]}),
+        "",
+        json.dumps({"question_id": 83, "category": "writing", "turns": ["Draft an email."]}),
+    ])
+    suite = load_suite(str(path))
+    assert suite == [
+        SuitePrompt("81", "writing", "Write a travel blog post."),
+        SuitePrompt("82", "math", "What is 2+2?"),
+        SuitePrompt("83", "writing", "Draft an email."),
+    ]
+    groups = slices(suite)
+    assert list(groups) == ["writing", "math"]
+    assert [p.id for p in groups["writing"]] == ["81", "83"]
+
+
+def test_our_format_with_defaults(tmp_path):
+    path = _write(tmp_path / "mine.jsonl", [
+        json.dumps({"id": "a", "slice": "code", "prompt": "def f():"}),
+        json.dumps({"prompt": "Hello there"}),
+        json.dumps({"slice": "chat", "prompt": "How are you?"}),
+    ])
+    assert load_suite(path) == [
+        SuitePrompt("a", "code", "def f():"),
+        SuitePrompt("default-2", "default", "Hello there"),
+        SuitePrompt("chat-3", "chat", "How are you?"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "bad, what",
+    [
+        ("{not json", "invalid JSON"),
+        (json.dumps({"slice": "code"}), "no prompt text"),
+        (json.dumps({"prompt": "   "}), "no prompt text"),
+        (json.dumps({"question_id": 1, "turns": []}), "no prompt text"),
+        (json.dumps(["a list"]), "expected a JSON object"),
+        (json.dumps({"id": "x", "prompt": "again"}), "duplicate id"),
+    ],
+)
+def test_malformed_line_names_file_and_line(tmp_path, bad, what):
+    path = _write(tmp_path / "bad.jsonl", [json.dumps({"id": "x", "prompt": "fine"}), "", bad])
+    with pytest.raises(ValueError) as e:
+        load_suite(str(path))
+    assert f"{path}:3" in str(e.value)
+    assert what in str(e.value)
+
+
+def test_empty_file(tmp_path):
+    path = _write(tmp_path / "empty.jsonl", ["", "  "])
+    with pytest.raises(ValueError, match="empty"):
+        load_suite(str(path))
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError) as e:
+        load_suite(str(path))
+    assert str(path) in str(e.value)
