@@ -55,7 +55,7 @@ class DraftModelDrafter:
             return out, probs, num
         # 1. catch up: feed what the draft cache has not seen, pending token included
         lens = self.cache.lengths  # [R] CPU
-        feeds = [tokens[b][int(lens[rows[b]]):] for b in active]
+        feeds = [self._unseen(tokens[b], int(lens[rows[b]])) for b in active]
         T = max(map(len, feeds))
         x = torch.zeros(len(active), T, dtype=torch.long)  # [B',T]
         for i, f in enumerate(feeds):
@@ -77,6 +77,12 @@ class DraftModelDrafter:
             logits = self.model.forward(out[active, i:i + 1], self.cache,
                                         [rows[b] for b in active], last_only=True)
         return out, probs, num
+
+    @staticmethod
+    def _unseen(seq: list[int], cached: int) -> list[int]:
+        """Tokens of seq the draft cache has not seen: the pending token, plus the last
+        draft token when the previous step accepted all drafts (bonus catch-up)."""
+        return seq[cached:]
 
     def rollback(self, rows, committed):
         lens = self.cache.lengths

@@ -155,7 +155,7 @@ class Engine:
         t2 = time.perf_counter()
         # 3. verify all rows in ONE target pass over [pending, d_1..d_k]
         K = drafts.shape[1]
-        x = torch.cat([torch.tensor([[r.tokens[-1]] for r in reqs]), drafts], dim=1)  # [B,K+1]
+        x = torch.cat([self._pending_tokens(reqs), drafts], dim=1)  # [B,K+1]
         logits = self.target.forward(x, self.cache, rows, (num + 1).tolist())  # [B,K+1,V]
         t3 = time.perf_counter()
         # 4. accept per row: greedy rows together, sampled rows each with its own generator
@@ -175,10 +175,12 @@ class Engine:
             out[b], n_acc[b] = o[0], a[0]
         # 5. commit: append emitted tokens, apply stops, roll caches back to each row's length
         out_l, acc_l = out.tolist(), n_acc.tolist()  # sync: one transfer for the whole batch
+        num_l, drafts_l = num.tolist(), drafts.tolist()
         committed, finished = [], []
         for b, r in enumerate(reqs):
             emitted = out_l[b][:acc_l[b] + 1]
-            r.stats.record_step(int(num[b]), acc_l[b])
+            r.stats.record_step(num_l[b], acc_l[b])
+            r.stats.trace.append((n0[b], drafts_l[b][:num_l[b]], acc_l[b]))
             reason = None
             for tok in emitted:
                 r.output_ids.append(tok)
@@ -189,7 +191,7 @@ class Engine:
                     reason = "length"
                     break
             r.stats.generated_tokens = len(r.output_ids)
-            committed.append(len(r.tokens) - 1)
+            committed.append(self._committed_length(r))
             if reason:
                 finished.append((r, reason))
         self.cache.truncate(rows, committed)
@@ -207,6 +209,13 @@ class Engine:
         self.times.steps += 1
         self.times.per_step.append((B, int(num.sum()), t4 - t0))
         return [r for r, _ in finished]
+
+    # Two small seams, kept as methods so that engine/faults.py can break them on purpose.
+    def _pending_tokens(self, reqs: list[Request]) -> torch.Tensor:
+        return torch.tensor([[r.tokens[-1]] for r in reqs])  # [B,1]
+
+    def _committed_length(self, r: Request) -> int:
+        return len(r.tokens) - 1  # everything but the new pending token
 
     def run(self, requests: list[Request], on_finish=None) -> list[Request]:
         """Decode requests to completion with continuous batching (rows refill as others end)."""

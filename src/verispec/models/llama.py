@@ -32,6 +32,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _positions(start: torch.Tensor, T: int) -> torch.Tensor:
+    """start [B] -> positions [B,T]: each row continues from its own length."""
+    return start[:, None] + torch.arange(T)
+
+
 class _Layer:
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], p: str):
         q, k, v = (w.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv")
@@ -104,7 +109,7 @@ class LlamaModel:
         S = max(int((start + num_new_t).max()), 1)  # keys attended to: up to the longest row
         if S > cache.max_len:  # lengths live on the CPU: no device sync
             raise CacheFullError(f"write to position {S} exceeds cache length {cache.max_len}")
-        pos = start[:, None] + torch.arange(T)  # [B,T]
+        pos = _positions(start, T)  # [B,T]
         # padding tokens (t >= num_new[b]) write to the scratch slot, never into a live row
         pos_w = torch.where(torch.arange(T) < num_new_t[:, None], pos, cache.scratch)  # [B,T]
         # attention mask [B,1,T,S]: key j visible to query t iff j <= pos[b,t]
