@@ -66,7 +66,13 @@ def build_engine(target, tokenizer, args, max_len: int):
 
     drafter = make_drafter(args.draft, target, tokenizer, max_rows=args.batch_size,
                            max_len=max_len + args.k + 2)
-    policy = FixedK(args.k if drafter is not None else 0)
+    if drafter is None or args.k == 0:
+        policy = FixedK(0)
+    elif args.policy == "fixed":
+        policy = FixedK(args.k)
+    else:
+        from .policy.adaptive import AdaptivePolicy, measure_costs
+        policy = AdaptivePolicy(measure_costs(target, drafter, args.batch_size, args.k), max_k=args.k)
     return Engine(target, drafter, policy, EngineConfig(max_batch=args.batch_size, max_len=max_len,
                                                          rule=args.verify))
 
@@ -117,7 +123,8 @@ def cmd_generate(args) -> int:
         text = tok.decode(r.output_ids, skip_special_tokens=True)
         stats = r.stats.to_dict()
         stats.update(finish_reason=r.finish_reason, rule=args.verify, lossy=engine.config.lossy,
-                     drafter=args.draft or "none", k=args.k if args.draft else 0)
+                     drafter=args.draft or "none", k=args.k if args.draft else 0,
+                     policy=args.policy if args.draft else "none")
         if args.json:
             print(json.dumps({"prompt": prompt, "text": text, "token_ids": r.output_ids, "stats": stats}),
                   flush=True)
@@ -181,7 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-len", type=_positive_int, default=None, help="context per row (default: fit)")
     g.add_argument("--draft", default=None,
                    help="none | lookup[:N] | layerskip:N | a draft model (preset, path, hub id)")
-    g.add_argument("--k", type=_nonneg_int, default=4, help="draft tokens per step")
+    g.add_argument("--k", type=_nonneg_int, default=4,
+                   help="draft tokens per step (the most, with the adaptive policy)")
+    g.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed"],
+                   help="adaptive: per row and step, measured costs and acceptance (never slower); "
+                        "fixed: always k")
     g.add_argument("--verify", default="rejection", choices=list(RULES),
                    help="verification rule; typical-lossy is lossy")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
@@ -196,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     pull = msub.add_parser("pull", help="install, assemble, verify and convert presets")
     pull.add_argument("names", nargs="+")
     m.set_defaults(func=cmd_models)
+
+    from .audit.cli import add_audit_parser
+    add_audit_parser(sub)
+    from .server.cli import add_serve_parser; add_serve_parser(sub)
     return p
 
 

@@ -197,9 +197,9 @@ class Engine:
         self.cache.truncate(rows, committed)
         if self.drafter is not None:
             self.drafter.rollback(rows, committed)
-        self.policy.observe(reqs, k, acc_l)
         for r, reason in finished:
             self._finish(r, reason)
+        self.policy.observe(reqs, num_l, acc_l)  # after the step: the policy never sees verdicts early
         done = {id(r) for r, _ in finished}
         self.running = [r for r in reqs if id(r) not in done]
         t4 = time.perf_counter()

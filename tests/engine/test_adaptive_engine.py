@@ -1,0 +1,79 @@
+"""The adaptive policy keeps the engine exact: greedy equivalence against HF generate
+and the randomised-PIT distribution test at temperature 1, at batch sizes 1, 8 and 32."""
+
+import pytest
+import torch
+
+from tests.engine.test_engine_tiny import V, _hf_reference, _prompts
+from tests.tiny import native_from_hf, tiny_hf
+from verispec.audit.stats import randomized_pit, test_uniform
+from verispec.drafters.draft_model import DraftModelDrafter
+from verispec.engine import Engine, EngineConfig, GenerationParams, Request
+from verispec.policy.adaptive import AdaptivePolicy, CostModel, measure_costs
+from verispec.sampling import SamplingParams, logits_to_probs
+
+
+@pytest.fixture(scope="module")
+def models():
+    hf = tiny_hf("qwen2", seed=0, vocab=V)
+    noisy = tiny_hf("qwen2", seed=0, vocab=V)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return hf, native_from_hf(hf), native_from_hf(noisy)
+
+
+# a cost model where drafting pays, so the policy really drafts (and varies k per row)
+PAYING = CostModel((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (0.05, 0.08))
+
+
+def test_measure_costs_runs(models):
+    _, target, draft = models
+    c = measure_costs(target, DraftModelDrafter(draft, V, max_rows=4, max_len=64), 4, 3)
+    assert len(c.target_rows) == len(c.target_s) and all(t > 0 for t in c.target_s)
+    assert all(t > 0 for t in c.draft_s)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    prompts = _prompts(32, seed=3)
+    max_new = [4 + (i * 5) % 17 for i in range(32)]
+    return prompts, max_new, [_hf_reference(models[0], [p], m)[0] for p, m in zip(prompts, max_new)]
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_adaptive_greedy_equals_hf(models, reference, batch):
+    hf, target, draft = models
+    prompts, max_new, refs = reference
+    policy = AdaptivePolicy(PAYING, max_k=6)
+    eng = Engine(target, DraftModelDrafter(draft, V, max_rows=batch, max_len=128), policy,
+                 EngineConfig(max_batch=batch, max_len=128))
+    reqs = [Request(p, GenerationParams(max_new_tokens=m)) for p, m in zip(prompts, max_new)]
+    eng.run(reqs)
+    assert [r.output_ids for r in reqs] == refs
+    ks = {k for r in reqs for k in r.stats.k_chosen}
+    assert len(ks) > 1  # the policy varied its choice
+    assert not policy.rows  # finished rows are forgotten
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_adaptive_distribution(models, batch):
+    _, target, draft = models
+    eng = Engine(target, DraftModelDrafter(draft, V, max_rows=batch, max_len=128),
+                 AdaptivePolicy(PAYING, max_k=5), EngineConfig(max_batch=batch, max_len=100, rule="rejection"))
+    g = torch.Generator().manual_seed(batch)
+    reqs = [Request(torch.randint(0, V, (3,), generator=g).tolist(),
+                    GenerationParams(max_new_tokens=64, sampling=SamplingParams(temperature=1.0, seed=i)))
+            for i in range(24 if batch == 1 else 40)]
+    eng.run(reqs)
+    cache = target.new_cache(1, 128)
+    us = []
+    for r in reqs:
+        row = cache.alloc()
+        logits = target.forward(torch.tensor([r.tokens[:-1]]), cache, row)[0]
+        cache.free(row)
+        p = logits_to_probs(logits[len(r.prompt_ids) - 1:], SamplingParams(temperature=1.0))
+        us.append(randomized_pit(p, torch.tensor(r.output_ids), g))
+    res = test_uniform(torch.cat(us).numpy())
+    assert res.n >= (1500 if batch == 1 else 2500)
+    assert res.passed(1e-3), res

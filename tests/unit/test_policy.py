@@ -1,0 +1,86 @@
+"""The adaptive policy's decisions on synthetic cost models and acceptance traces."""
+
+import numpy as np
+import pytest
+
+from verispec.policy.adaptive import AdaptivePolicy, CostModel
+
+
+class R:
+    def __init__(self, rid):
+        self.request_id, self.finished = rid, False
+
+
+def costs(verify_slope=0.0, draft=0.3, flat_until=16):
+    """Target: 1.0 s per pass up to flat_until rows, then +verify_slope per row; draft: `draft` s."""
+    rows = (1, flat_until, 1024)
+    secs = (1.0, 1.0, 1.0 + verify_slope * (1024 - flat_until))
+    return CostModel(rows, secs, (1, 64), (draft, draft))
+
+
+def feed(policy, reqs, rate, steps, rng):
+    """Simulate steps where each draft is accepted with probability `rate` per row."""
+    for _ in range(steps):
+        k = policy.choose(reqs)
+        acc = []
+        for kb, rt in zip(k, rate):
+            a = 0
+            while a < kb and rng.random() < rt:
+                a += 1
+            acc.append(a)
+        policy.observe(reqs, k, acc)
+    return policy.choose(reqs)
+
+
+def test_k0_when_drafting_cannot_pay():
+    # a draft as expensive as the target: even perfect acceptance cannot pay for itself
+    p = AdaptivePolicy(costs(draft=1.0), max_k=8)
+    assert p.best_choice(np.array([0.9, 0.9])) == [0, 0]
+    # verify cost grows steeply with rows: no speculation either
+    p = AdaptivePolicy(costs(verify_slope=1.0, draft=0.1, flat_until=1), max_k=8)
+    assert p.best_choice(np.array([0.6])) == [0]
+
+
+def test_larger_k_as_acceptance_rises():
+    p = AdaptivePolicy(costs(verify_slope=0.02, draft=0.1), max_k=8)
+    ks = [p.best_choice(np.array([a]))[0] for a in (0.1, 0.5, 0.8, 0.95)]
+    assert ks[0] == 0
+    assert ks == sorted(ks) and ks[-1] > ks[1] > 0, ks
+
+
+def test_rows_that_fail_stop_drafting_and_recover():
+    rng = np.random.default_rng(0)
+    p = AdaptivePolicy(costs(verify_slope=0.01, draft=0.05), max_k=8)
+    reqs = [R("good"), R("bad")]
+    k = feed(p, reqs, [0.9, 0.0], 60, rng)
+    assert k[0] >= 3 and k[1] <= 1  # the failing row only ever gets probes
+    drafted_bad = 0
+    for _ in range(64):  # probes are rare
+        k = p.choose(reqs)
+        drafted_bad += k[1] > 0
+        p.observe(reqs, k, [k[0], 0])
+    assert drafted_bad <= 64 // 8
+    # acceptance returns: the row drafts again
+    k = feed(p, reqs, [0.9, 0.9], 200, rng)
+    assert k[1] >= 3
+
+
+def test_never_worse_than_plain_in_the_cost_model():
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        B = int(rng.integers(1, 33))
+        c = costs(verify_slope=float(rng.uniform(0, 0.1)), draft=float(rng.uniform(0.01, 1.0)),
+                  flat_until=int(rng.integers(1, 32)))
+        p = AdaptivePolicy(c, max_k=8)
+        alphas = rng.uniform(0, 1, B)
+        choice = p.best_choice(alphas)
+        E = p.expected_tokens(alphas)
+        tokens = sum(E[b, kb] for b, kb in enumerate(choice))
+        m, k = sum(kb > 0 for kb in choice), max(choice)
+        secs = float(c.target(B + m * k) + k * c.draft(m))
+        assert tokens / secs >= B / float(c.target(B)) - 1e-9
+
+
+def test_max_k_validated():
+    with pytest.raises(ValueError):
+        AdaptivePolicy(costs(), max_k=0)
