@@ -18,6 +18,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     seed: int | None = None
+    # Gumbel-max with noise keyed on (seed, position): plain and speculative decoding
+    # with the same seed emit the same tokens (the "coupled" verification rule)
+    coupled: bool = False
 
     def __post_init__(self):
         if not (self.temperature >= 0):
@@ -26,6 +29,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.coupled and self.seed is None:
+            raise ValueError("coupled sampling needs a seed")
 
     @property
     def greedy(self) -> bool:
@@ -62,3 +67,22 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """probs [N, V] -> tokens [N] drawn with the given generator (never the global RNG)."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def keyed_gumbel(seed: int, positions, V: int) -> torch.Tensor:
+    """Gumbel(0,1) noise [len(positions), V], a pure function of (seed, position)."""
+    out = torch.empty(len(positions), V)
+    for i, pos in enumerate(positions):
+        g = torch.Generator().manual_seed((seed * 0x9E3779B1 + pos * 0x85EBCA77) % (2 ** 63))
+        u = torch.rand(V, generator=g).clamp_(min=1e-20)
+        out[i] = -torch.log(-torch.log(u))
+    return out
+
+
+def sample_token(probs: torch.Tensor, params: SamplingParams, generator, position: int) -> int:
+    """One token from probs [V] for the token at sequence index `position`."""
+    if params.greedy:
+        return int(probs.argmax())
+    if params.coupled:
+        return int((torch.log(probs) + keyed_gumbel(params.seed, [position], probs.shape[-1])[0]).argmax())
+    return int(sample(probs[None], generator)[0])

@@ -196,6 +196,15 @@ def test_rows_without_drafts_draw_nothing_for_acceptance():
     assert torch.equal(g1.get_state(), g2.get_state())
 
 
+def source(rule, target_probs, seed):
+    """The rule's random source: keyed Gumbel noise for coupled, a generator otherwise."""
+    if rule == "coupled":
+        g = gen(seed)
+        u = torch.rand(target_probs.shape, generator=g).clamp_(min=1e-20)
+        return -torch.log(-torch.log(u))
+    return gen(seed)
+
+
 def test_padding_of_rows_without_drafts_does_not_change_anything():
     rng = np.random.default_rng(8)
     B, K, V = 40, 2, 5
@@ -206,8 +215,8 @@ def test_padding_of_rows_without_drafts_does_not_change_anything():
     pad = torch.arange(K) >= num_drafts[:, None]
     other = draft_tokens.masked_fill(pad, -1)
     for rule in RULES:
-        a = verify(rule, p, q, draft_tokens, num_drafts, gen(2))
-        b = verify(rule, p, q, other, num_drafts, gen(2))
+        a = verify(rule, p, q, draft_tokens, num_drafts, source(rule, p, 2))
+        b = verify(rule, p, q, other, num_drafts, source(rule, p, 2))
         assert torch.equal(a.tokens, b.tokens), rule
         assert (a.num_accepted <= num_drafts).all()
 
@@ -254,7 +263,7 @@ def test_typical_lossy_threshold_parameters():
 
 
 def test_rule_registry():
-    assert set(RULES) == {"rejection", "greedy", "typical-lossy"}
+    assert set(RULES) == {"rejection", "greedy", "coupled", "typical-lossy"}
     assert LOSSY_RULES == frozenset({"typical-lossy"})
     assert LOSSY_RULES <= set(RULES)
 
@@ -302,7 +311,7 @@ def test_bad_inputs_raise_clear_errors(rule, change, match):
     kwargs = {**_ok_inputs(), **change}
     with pytest.raises(ValueError, match=match):
         verify(rule, kwargs["target_probs"], kwargs["draft_probs"], kwargs["draft_tokens"],
-               kwargs["num_drafts"], gen(0))
+               kwargs["num_drafts"], source(rule, torch.ones(2, 4, 5), 0))
 
 
 def test_padding_out_of_range_is_allowed():
@@ -310,7 +319,7 @@ def test_padding_out_of_range_is_allowed():
     tokens = torch.tensor([[0, 1, 2], [4, -1, 99]])  # row 1 has one draft
     for rule in RULES:
         out, n = verify(rule, kw["target_probs"], kw["draft_probs"], tokens, kw["num_drafts"],
-                        gen(0))
+                        source(rule, kw["target_probs"], 0))
         assert (out[1, 2:] == -1).all()
 
 
@@ -345,7 +354,7 @@ def test_output_invariants(B, K, V, seed, rule, with_q):
     pad = torch.arange(K) >= num_drafts[:, None]
     draft_tokens = draft_tokens.masked_fill(pad, -1)
 
-    out, n = verify(rule, p, q, draft_tokens, num_drafts, gen(seed))
+    out, n = verify(rule, p, q, draft_tokens, num_drafts, source(rule, p, seed))
 
     assert out.shape == (B, K + 1) and n.shape == (B,)
     assert ((n >= 0) & (n <= num_drafts)).all()
@@ -363,3 +372,31 @@ def test_output_invariants(B, K, V, seed, rule, with_q):
     assert (p[rows, n].gather(1, last[:, None]) > 0).all()
     if rule == "greedy":
         assert torch.equal(last, p[rows, n].argmax(-1))
+
+
+# ---------------------------------------------------------------- coupled
+
+
+def test_coupled_emits_the_gumbel_argmax_tokens():
+    """Whatever the drafts, the emitted tokens are argmax(log p + g) at each position."""
+    rng = np.random.default_rng(21)
+    B, K, V = 64, 4, 9
+    p = dirichlet(rng, (B, K + 1), V)
+    g = source("coupled", p, 5)
+    target_tok = (torch.log(p) + g).argmax(-1)  # [B, K+1]
+    # drafts right with probability 0.7 per position: ragged acceptance
+    right = torch.from_numpy(rng.random((B, K)) < 0.7)
+    drafts = torch.where(right, target_tok[:, :K], (target_tok[:, :K] + 1) % V)
+    num = torch.from_numpy(rng.integers(0, K + 1, size=B))
+    out, n = verify("coupled", p, None, drafts, num, g)
+    for b in range(B):
+        emitted = out[b, : n[b] + 1]
+        assert torch.equal(emitted, target_tok[b, : n[b] + 1])
+        first_wrong = int((~right[b, : num[b]]).nonzero()[0]) if (~right[b, : num[b]]).any() else int(num[b])
+        assert n[b] == first_wrong
+
+
+def test_coupled_needs_noise():
+    kw = _ok_inputs()
+    with pytest.raises(ValueError, match="keyed Gumbel noise"):
+        verify("coupled", kw["target_probs"], None, kw["draft_tokens"], kw["num_drafts"], gen(0))

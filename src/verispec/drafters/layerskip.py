@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import logits_to_probs, sample
+from ..sampling import logits_to_probs, sample_token
 
 
 class LayerSkipDrafter:
@@ -33,8 +33,9 @@ class LayerSkipDrafter:
         B, K = len(rows), max(k, default=0)
         V = self.target.config.vocab_size
         out = torch.zeros(B, K, dtype=torch.long)  # [B,K]
-        # greedy rows draft the argmax, so q is one-hot: None says exactly that, cheaply
-        need_q = any(not sampling[b].greedy for b in range(B) if k[b] > 0)
+        # only the rejection-style rules read q: greedy rows draft the argmax (q one-hot,
+        # which None says cheaply) and coupled rows share the target's keyed noise
+        need_q = any(not (sampling[b].greedy or sampling[b].coupled) for b in range(B) if k[b] > 0)
         probs = torch.zeros(B, K, V) if need_q else None  # [B,K,V]
         num = torch.tensor(k, dtype=torch.long)  # [B]
         active = [b for b in range(B) if k[b] > 0]
@@ -50,7 +51,7 @@ class LayerSkipDrafter:
                 q = logits_to_probs(logits[j], sampling[b])
                 if need_q:
                     probs[b, i] = q
-                out[b, i] = q.argmax() if sampling[b].greedy else sample(q[None], generators[b])[0]
+                out[b, i] = sample_token(q, sampling[b], generators[b], len(tokens[b]) + i)
             keep = [j for j, b in enumerate(active) if k[b] > i + 1]
             if not keep:
                 break

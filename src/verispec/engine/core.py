@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..policy import FixedK
-from ..sampling import logits_to_probs
+from ..sampling import keyed_gumbel, logits_to_probs
 from ..verify import LOSSY_RULES, RULES, verify
 from .request import Request
 
@@ -83,6 +83,10 @@ class Engine:
             raise ContextLengthError(
                 f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.params.max_new_tokens}) "
                 f"= {total} exceeds the context of {self.config.max_len} tokens")
+        sp = req.params.sampling
+        if self.config.rule == "coupled" and not sp.greedy and not sp.coupled:
+            seed = sp.seed if sp.seed is not None else int(torch.randint(2 ** 62, ()))
+            req.params = replace(req.params, sampling=replace(sp, coupled=True, seed=seed))
         if req.generator is None:
             req.generator = req.params.sampling.make_generator()
         self.waiting.append(req)
@@ -158,7 +162,8 @@ class Engine:
         x = torch.cat([self._pending_tokens(reqs), drafts], dim=1)  # [B,K+1]
         logits = self.target.forward(x, self.cache, rows, (num + 1).tolist())  # [B,K+1,V]
         t3 = time.perf_counter()
-        # 4. accept per row: greedy rows together, sampled rows each with its own generator
+        # 4. accept per row: greedy rows together, sampled rows each with its own random
+        #    source (a generator, or noise keyed on (seed, position) for coupled rows)
         out = torch.full((B, K + 1), -1, dtype=torch.long)  # [B,K+1]
         n_acc = torch.zeros(B, dtype=torch.long)  # [B]
         greedy = [b for b, r in enumerate(reqs) if r.params.sampling.greedy]
@@ -171,7 +176,13 @@ class Engine:
                 continue
             p = logits_to_probs(logits[b:b + 1], r.params.sampling)  # [1,K+1,V]
             qb = None if q is None else q[b:b + 1, :, :p.shape[-1]]
-            o, a = verify(self.config.rule, p, qb, drafts[b:b + 1], num[b:b + 1], r.generator)
+            sp = r.params.sampling
+            if sp.coupled:
+                noise = keyed_gumbel(sp.seed, range(n0[b], n0[b] + K + 1), p.shape[-1])[None]
+                o, a = verify("coupled", p, None, drafts[b:b + 1], num[b:b + 1], noise)
+            else:
+                rule = "rejection" if self.config.rule == "coupled" else self.config.rule
+                o, a = verify(rule, p, qb, drafts[b:b + 1], num[b:b + 1], r.generator)
             out[b], n_acc[b] = o[0], a[0]
         # 5. commit: append emitted tokens, apply stops, roll caches back to each row's length
         out_l, acc_l = out.tolist(), n_acc.tolist()  # sync: one transfer for the whole batch

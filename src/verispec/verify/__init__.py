@@ -1,10 +1,12 @@
-"""Pure verification rules: rejection (exact), greedy, typical-lossy (lossy, Medusa)."""
+"""Pure verification rules: rejection (exact), greedy, coupled (exact, seeded and
+reproducible), typical-lossy (lossy, Medusa)."""
 
 from verispec.verify.rules import (
     LOSSY_RULES,
     RESIDUAL_EPS,
     RULES,
     VerifyResult,
+    coupled,
     greedy,
     rejection,
     sample_from_probs,
@@ -17,6 +19,7 @@ __all__ = [
     "RESIDUAL_EPS",
     "RULES",
     "VerifyResult",
+    "coupled",
     "greedy",
     "rejection",
     "sample_from_probs",

@@ -241,9 +241,36 @@ def typical_lossy(
     return _emit(draft_tokens, num_accepted, last)
 
 
+def coupled(
+    target_probs: torch.Tensor,  # [B, K+1, V] target distribution p per position
+    draft_probs: torch.Tensor | None,  # [B, K, V] or None; unused: the drafter used the same noise
+    draft_tokens: torch.Tensor,  # [B, K] long, padded beyond num_drafts
+    num_drafts: torch.Tensor,  # [B] long, 0 <= num_drafts <= K
+    generator: torch.Tensor,  # [B, K+1, V] Gumbel noise keyed on (seed, position)
+) -> VerifyResult:
+    """Exact and reproducible: Gumbel-max sampling with noise keyed on (seed, position).
+
+    The random source is not a torch.Generator but the noise itself, g [B, K+1, V],
+    the same noise plain decoding and the drafter use at those sequence positions.
+    The target's token at each position is argmax(log p + g), a sample from p
+    (Gumbel-max). A draft token is accepted while it equals that token; the first
+    mismatch is replaced by the target's token there (recovered), and after the
+    last accepted draft comes the target's token at the next position (bonus). So
+    the emitted tokens are exactly the tokens plain decoding with the same seed
+    emits, and each is distributed as p.
+    """
+    _check_inputs(target_probs, draft_probs, draft_tokens, num_drafts)
+    if not isinstance(generator, torch.Tensor) or generator.shape != target_probs.shape:
+        raise ValueError("rule 'coupled' needs keyed Gumbel noise shaped like target_probs "
+                         "[B, K+1, V] as its random source")
+    scores = torch.log(target_probs.float()) + generator  # [B, K+1, V]; log 0 = -inf stays out
+    return greedy(scores, None, draft_tokens, num_drafts, None)
+
+
 RULES: dict[str, Callable[..., VerifyResult]] = {
     "rejection": rejection,
     "greedy": greedy,
+    "coupled": coupled,
     "typical-lossy": typical_lossy,
 }
 
