@@ -1,0 +1,115 @@
+"""Adaptive speculation vs fixed k vs plain decoding, per audit slice and batch size,
+measured side by side (every configuration on the same prompts, interleaved per cell).
+
+    python benchmarks/bench_adaptive.py --target smollm2-135m --draft lookup --batches 1,4,16
+    python benchmarks/bench_adaptive.py --target smollm2-135m --draft layerskip:20
+    python benchmarks/bench_adaptive.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --batches 1,4
+
+Prints a table of speedup over plain decoding; --plot writes a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+from common import suite_prompts
+from tqdm import tqdm
+
+from verispec.drafters import make_drafter
+from verispec.engine import Engine, EngineConfig, GenerationParams, Request
+from verispec.models import load_model
+from verispec.policy import FixedK
+from verispec.policy.adaptive import AdaptivePolicy, measure_costs
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--draft", default="lookup")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--fixed", default="2,4,8")
+    ap.add_argument("--max-new", type=int, default=32)
+    ap.add_argument("--slices", default=None, help="comma list (default: all 8)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args()
+    loaded = load_model(args.target, progress=False)
+    target, tok = loaded.model, loaded.tokenizer
+    batches = [int(b) for b in args.batches.split(",")]
+    fixed = [int(k) for k in args.fixed.split(",")]
+    kmax = max(fixed)
+    prompts = suite_prompts(12, args.slices.split(",") if args.slices else None)
+    by_slice = defaultdict(list)
+    for p in prompts:
+        ids = tok.apply_chat_template([{"role": "user", "content": p.prompt}], add_generation_prompt=True,
+                                      tokenize=True)
+        by_slice[p.slice].append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    max_len = max(len(x) for v in by_slice.values() for x in v) + args.max_new
+    drafter = make_drafter(args.draft, target, tok, max_rows=max(batches), max_len=max_len + kmax + 2,
+                           progress=False)
+    costs = {b: measure_costs(target, drafter, b, kmax) for b in batches}
+    configs = ["plain"] + [f"k={k}" for k in fixed] + ["adaptive"]
+    tps = defaultdict(dict)  # (slice, batch) -> config -> tok/s
+    chosen = defaultdict(list)
+    cells = [(s, b) for b in batches for s in by_slice]
+    for sl, b in tqdm(cells, desc="cells"):
+        ids = (by_slice[sl] * ((b + len(by_slice[sl]) - 1) // len(by_slice[sl])))[:b]
+        for cfg in configs:
+            if cfg == "plain":
+                d, pol = None, FixedK(0)
+            elif cfg == "adaptive":
+                d, pol = drafter, AdaptivePolicy(costs[b], max_k=kmax)
+            else:
+                d, pol = drafter, FixedK(int(cfg[2:]))
+            eng = Engine(target, d, pol, EngineConfig(max_batch=b, max_len=max_len))
+            reqs = [Request(x, GenerationParams(max_new_tokens=args.max_new, ignore_eos=True)) for x in ids]
+            t = time.perf_counter()
+            eng.run(reqs)
+            tps[(sl, b)][cfg] = sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - t)
+            if cfg == "adaptive":
+                ks = [k for r in reqs for k in r.stats.k_chosen]
+                chosen[(sl, b)] = sum(ks) / len(ks)
+    print(f"\n{args.target} with {args.draft}, greedy, {args.max_new} new tokens, chat template; "
+          f"speedup over plain decoding (adaptive: mean k chosen)")
+    print("| batch | slice | plain tok/s | " + " | ".join(configs[1:]) + " | adaptive / best fixed |")
+    print("|---" * (len(configs) + 3) + "|")
+    worst_plain, worst_best = 9e9, 9e9
+    for (sl, b), d in tps.items():
+        best = max(d[c] for c in configs[1:-1])
+        worst_plain = min(worst_plain, d["adaptive"] / d["plain"])
+        worst_best = min(worst_best, d["adaptive"] / best)
+        print(f"| {b} | {sl} | {d['plain']:.1f} | " + " | ".join(
+            f"{d[c] / d['plain']:.2f}x" + (f" (k~{chosen[(sl, b)]:.1f})" if c == "adaptive" else "")
+            for c in configs[1:]) + f" | {d['adaptive'] / best:.2f} |")
+    print(f"\nworst cell: adaptive / plain = {worst_plain:.2f}x, adaptive / best fixed k = {worst_best:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{s}|{b}": d for (s, b), d in tps.items()}, f, indent=1)
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), sharey=True)
+        axes = [axes] if len(batches) == 1 else axes
+        sl_names = list(by_slice)
+        for ax, b in zip(axes, batches):
+            w = 0.8 / (len(configs) - 1)
+            for i, c in enumerate(configs[1:]):
+                ax.bar([j + i * w for j in range(len(sl_names))],
+                       [tps[(s, b)][c] / tps[(s, b)]["plain"] for s in sl_names], w, label=c)
+            ax.axhline(1.0, color="k", lw=0.8)
+            ax.set_xticks([j + 0.4 - w / 2 for j in range(len(sl_names))], sl_names, rotation=45, ha="right")
+            ax.set_title(f"batch {b}")
+        axes[0].set_ylabel("speedup over plain decoding")
+        axes[-1].legend()
+        fig.suptitle(f"{args.target} / {args.draft}")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
