@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, logits_to_probs, sample_token
 
 
 class Drafter(Protocol):
@@ -35,6 +35,25 @@ class Drafter(Protocol):
     def rollback(self, rows: list[int], committed: list[int]) -> None: ...
 
     def release(self, rows: list[int]) -> None: ...
+
+
+def draft_from_logits(logits: torch.Tensor, active: list[int], i: int, tokens, sampling, generators,
+                      out: torch.Tensor, probs: torch.Tensor | None) -> None:
+    """Fill draft position i for the active rows from the drafter's logits [B',V].
+
+    Greedy rows take the argmax (one vectorised call); sampled rows draw from q with
+    their own random source and, where the rule needs it, record q in probs [B,K,V].
+    """
+    best = logits.argmax(-1).tolist()  # sync: one per draft position for the whole batch
+    for j, b in enumerate(active):
+        sp = sampling[b]
+        if sp.greedy:
+            out[b, i] = best[j]
+            continue
+        q = logits_to_probs(logits[j], sp)  # [V]
+        if probs is not None:
+            probs[b, i, :q.shape[-1]] = q
+        out[b, i] = sample_token(q, sp, generators[b], len(tokens[b]) + i)
 
 
 def make_drafter(spec: str | None, target, target_tokenizer, *, max_rows: int, max_len: int,

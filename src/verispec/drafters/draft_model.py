@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import logits_to_probs, sample_token
+from . import draft_from_logits
 
 
 class TokenizerMismatchError(ValueError):
@@ -65,12 +65,7 @@ class DraftModelDrafter:
         logits = self.model.forward(x, self.cache, act_rows, [len(f) for f in feeds], last_only=True)
         # 2. draft one token per pass; rows leave once they have k[b] drafts
         for i in range(K):
-            V = logits.shape[-1]
-            for j, b in enumerate(active):
-                q = logits_to_probs(logits[j], sampling[b])  # [V]
-                if need_q:
-                    probs[b, i, :V] = q
-                out[b, i] = sample_token(q, sampling[b], generators[b], len(tokens[b]) + i)
+            draft_from_logits(logits, active, i, tokens, sampling, generators, out, probs)
             active = [b for b in active if k[b] > i + 1]
             if not active:
                 break

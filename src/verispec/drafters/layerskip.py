@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import logits_to_probs, sample_token
+from . import draft_from_logits
 
 
 class LayerSkipDrafter:
@@ -47,11 +47,7 @@ class LayerSkipDrafter:
         for i in range(K):
             logits = self.target.forward(x, self.cache, act_rows, last_only=True,
                                          num_layers=self.num_layers)
-            for j, b in enumerate(active):
-                q = logits_to_probs(logits[j], sampling[b])
-                if need_q:
-                    probs[b, i] = q
-                out[b, i] = sample_token(q, sampling[b], generators[b], len(tokens[b]) + i)
+            draft_from_logits(logits, active, i, tokens, sampling, generators, out, probs)
             keep = [j for j, b in enumerate(active) if k[b] > i + 1]
             if not keep:
                 break
