@@ -1,0 +1,446 @@
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models,
+/health and /metrics, on FastAPI.
+
+`create_app(state)` takes a ServerState (or a function that makes one), so the engine,
+the model and the tokenizer are injected: `verispec serve` builds them from presets,
+tests from tiny random models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from ..engine import GenerationParams
+from ..sampling import SamplingParams
+from .metrics import Metrics
+from .protocol import (
+    ChatRequest,
+    CompletionRequest,
+    OpenAIError,
+    Speculation,
+    check_chat,
+    check_completion,
+    parse,
+    resolve_speculation,
+    stop_list,
+)
+from .worker import EngineWorker, PerRequestPolicy, RequestHandle, ServerRequest
+
+log = logging.getLogger("verispec.server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str  # the id clients send as "model"
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    max_queue: int = 64  # requests waiting for a row beyond the running batch; more -> 429
+    max_body_bytes: int = 4 * 2 ** 20
+    drafter: str | None = None  # label shown in /v1/models, /metrics and responses
+    stop_token_ids: tuple[int, ...] | None = None  # None: the model's and tokenizer's EOS ids
+
+    def __post_init__(self):
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+
+
+class ServerState:
+    """Everything a running server holds: the engine (owned by its worker thread), the
+    tokenizer, configuration and metrics."""
+
+    def __init__(self, engine, tokenizer, config: ServerConfig):
+        if not isinstance(engine.policy, PerRequestPolicy):
+            # rows whose request says "speculate": false get k = 0; same max_k, same cache slack
+            engine.policy = PerRequestPolicy(engine.policy)
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.k = engine.policy.max_k if engine.drafter is not None else 0
+        self.rule = engine.config.rule
+        self.lossy = engine.config.lossy and self.k > 0
+        self.max_len = engine.config.max_len
+        self.vocab_size = engine.target.config.vocab_size
+        if config.stop_token_ids is not None:
+            self.stop_token_ids = tuple(config.stop_token_ids)
+        else:
+            eos = tuple(getattr(engine.target.config, "eos_token_ids", ()) or ())
+            tok_eos = getattr(tokenizer, "eos_token_id", None)
+            self.stop_token_ids = tuple(dict.fromkeys(eos + ((tok_eos,) if tok_eos is not None else ())))
+        # no token decodes to more characters than this: a longer text cannot fit the context
+        self.max_token_chars = max(1, max(len(tokenizer.decode([i])) for i in range(self.vocab_size)))
+        self.metrics = Metrics(config.model_name, {
+            "drafter": config.drafter or ("none" if engine.drafter is None else getattr(engine.drafter, "name", "?")),
+            "k": str(self.k), "rule": self.rule, "lossy": str(self.lossy).lower(),
+            "max_batch": str(engine.config.max_batch), "max_len": str(self.max_len)})
+        self.worker = EngineWorker(engine, self.metrics, config.max_queue)
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="verispec-tokenize")
+        self.created = int(time.time())
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def close(self) -> None:
+        self.worker.stop()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- request checks ------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise OpenAIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise OpenAIError(401, "incorrect API key provided", code="invalid_api_key",
+                              headers={"WWW-Authenticate": "Bearer"})
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise OpenAIError(404, f"the model '{model}' does not exist; this server serves "
+                                   f"'{self.config.model_name}'", param="model", code="model_not_found")
+
+    # -- tokenization (one worker thread: off the event loop, one tokenizer user at a time) --
+    async def _in_pool(self, fn: Callable, *args) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def _check_text(self, text: str, param: str) -> None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise OpenAIError(400, f"'{param}' is not valid Unicode (it holds a lone surrogate)",
+                              param=param, code="invalid_value") from None
+        if len(text) > 2 * self.max_len * self.max_token_chars:  # sure to exceed: skip tokenizing
+            raise self.context_error(len(text) // self.max_token_chars, None, param)
+
+    async def prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, list):
+            if len(prompt) == 0:
+                raise OpenAIError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
+            if isinstance(prompt[0], (str, list)):
+                if len(prompt) != 1:
+                    raise OpenAIError(400, "one prompt per request: batched prompts are not supported "
+                                           "(send them as separate requests; the server batches them)",
+                                      param="prompt", code="unsupported_parameter")
+                prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise OpenAIError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
+            self._check_text(prompt, "prompt")
+            ids = list(await self._in_pool(lambda: self.tokenizer(prompt)["input_ids"]))
+        else:
+            ids = list(prompt)
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise OpenAIError(400, f"token ids must be in [0, {self.vocab_size})", param="prompt",
+                                  code="invalid_value")
+        if not ids:
+            raise OpenAIError(400, "the prompt tokenizes to no tokens", param="prompt", code="invalid_value")
+        return ids
+
+    async def chat_ids(self, req: ChatRequest) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise OpenAIError(400, "this model's tokenizer has no chat template; use /v1/completions",
+                              param="messages", code="unsupported_model")
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+            self._check_text(content, f"messages[{i}].content")
+            messages.append({"role": m.role, "content": content})
+
+        def apply():
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+        try:
+            return await self._in_pool(apply)
+        except Exception as e:  # noqa: BLE001 - a template that refuses these messages
+            raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages",
+                              code="invalid_value") from None
+
+    def context_error(self, n_prompt: int, max_tokens: int | None, param: str) -> OpenAIError:
+        """max_tokens None: the prompt alone is known to hold at least n_prompt tokens."""
+        asks = (f"has more than {n_prompt} prompt tokens" if max_tokens is None else
+                f"has {n_prompt} prompt tokens and asks for {max_tokens} new tokens ({n_prompt + max_tokens} in all)")
+        return OpenAIError(400, f"this model's maximum context length is {self.max_len} tokens; the request "
+                                f"{asks}. Shorten the prompt or reduce max_tokens.",
+                           param=param, code="context_length_exceeded")
+
+
+# -- HTTP plumbing -------------------------------------------------------------------
+
+def _error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    ctype = request.headers.get("content-type")
+    if ctype is None or ctype.split(";")[0].strip().lower() != "application/json":
+        raise OpenAIError(415, f"Content-Type must be application/json (got {ctype!r})",
+                          code="unsupported_media_type")
+    clen = request.headers.get("content-length", "")
+    too_large = OpenAIError(413, f"request body larger than {limit} bytes", code="request_too_large")
+    if clen.isdigit() and int(clen) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise OpenAIError(400, f"the request body is not valid UTF-8 (byte {e.start})",
+                          code="invalid_encoding") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise OpenAIError(400, f"the request body is not valid JSON: {e.msg} (line {e.lineno}, "
+                               f"column {e.colno})", code="invalid_json") from None
+    except (ValueError, RecursionError) as e:
+        raise OpenAIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _SSE(StreamingResponse):
+    """Server-sent events whose `on_close` runs however the stream ends (done, error,
+    client gone), so a disconnect always frees the row."""
+
+    def __init__(self, content, on_close: Callable[[], None], headers: dict):
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class _CountResponses:
+    """ASGI middleware: verispec_requests_total{endpoint, status}; 499 = client went away."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [None]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        failed = True
+        try:
+            await self.app(scope, receive, send_status)
+            failed = False
+        finally:  # no response started: 500 if the app raised (answered outside), else 499
+            path = scope.get("path", "")
+            self.metrics.http_response(path if path in ENDPOINTS else "other",
+                                       status[0] or (500 if failed else 499))
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# -- the app -------------------------------------------------------------------------
+
+def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
+    if not isinstance(state, ServerState):
+        state = state()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state.start()
+        try:
+            yield
+        finally:
+            state.close()
+
+    app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.verispec = state
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request, e: OpenAIError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return _error_response(OpenAIError(e.status_code, str(e.detail), code=code))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, e: RequestValidationError):
+        return _error_response(OpenAIError(400, str(e), code="invalid_value"))
+
+    @app.exception_handler(Exception)
+    async def _server_error(request, e: Exception):
+        log.exception("unhandled error")
+        return _error_response(OpenAIError(500, "internal server error", type="server_error"))
+
+    app.add_middleware(_CountResponses, metrics=state.metrics)
+
+    @app.get("/health")
+    async def health():
+        if not state.worker.alive:
+            return JSONResponse({"status": "error", "reason": "the engine thread is not running"},
+                                status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        state.authorize(request)
+        return {"object": "list", "data": [{
+            "id": state.config.model_name, "object": "model", "created": state.created, "owned_by": "verispec",
+            "max_model_len": state.max_len,
+            "verispec": {"drafter": state.metrics.info["drafter"], "k": state.k, "rule": state.rule,
+                         "lossy": state.lossy}}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        state.authorize(request)
+        req = parse(CompletionRequest, await read_json(request, state.config.max_body_bytes))
+        check_completion(req)
+        state.check_model(req.model)
+        ids = await state.prompt_ids(req.prompt)
+        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        return await _generate(request, req, ids, max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        state.authorize(request)
+        req = parse(ChatRequest, await read_json(request, state.config.max_body_bytes))
+        check_chat(req)
+        state.check_model(req.model)
+        ids = await state.chat_ids(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
+            max_tokens = max(1, state.max_len - len(ids))
+        return await _generate(request, req, ids, max_tokens, chat=True)
+
+    async def _generate(request: Request, req, ids: list[int], max_tokens: int, chat: bool):
+        param = "messages" if chat else "prompt"
+        if len(ids) + max_tokens > state.max_len:
+            raise state.context_error(len(ids), max_tokens, "max_tokens" if len(ids) < state.max_len else param)
+        temperature = 1.0 if req.temperature is None else req.temperature
+        spec = resolve_speculation(state.rule, state.engine.drafter is not None, temperature, req.verispec)
+        sampling = SamplingParams(temperature=temperature, top_k=max(0, req.top_k or 0),
+                                  top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
+        params = GenerationParams(max_new_tokens=max_tokens, sampling=sampling,
+                                  stop_token_ids=() if req.ignore_eos else state.stop_token_ids,
+                                  ignore_eos=bool(req.ignore_eos))
+        handle = RequestHandle(ServerRequest(ids, params, speculate=spec.speculate), state.tokenizer,
+                               stop_list(req.stop), asyncio.get_running_loop())
+        if not state.worker.alive:
+            raise OpenAIError(503, "the engine thread is not running", type="server_error", code="engine_down")
+        if not state.worker.try_submit(handle):
+            raise OpenAIError(429, f"the server is at capacity ({state.engine.config.max_batch} running, "
+                                   f"{state.config.max_queue} queued); retry later",
+                              type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        headers = {"x-verispec-lossy": "true"} if spec.lossy else {}
+        meta = {"id": rid, "created": int(time.time()), "model": state.config.model_name}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _SSE(_stream(handle, meta, spec, chat, len(ids), include_usage), handle.cancel, headers)
+        try:
+            waiter = asyncio.ensure_future(handle.wait())
+            watcher = asyncio.ensure_future(_until_disconnect(request))
+            try:
+                await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+                watcher.cancel()
+            if handle.finish_reason is None or handle.finish_reason == "cancelled":
+                return Response(status_code=499)  # the client is gone; nobody reads this
+        finally:
+            handle.cancel()  # a no-op when the engine already let go of the request
+        if handle.finish_reason == "error":
+            status, message = handle.error
+            raise OpenAIError(status, message, type="server_error" if status >= 500 else "invalid_request_error")
+        usage = {"prompt_tokens": len(ids), "completion_tokens": handle.completion_tokens,
+                 "total_tokens": len(ids) + handle.completion_tokens}
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": handle.text},
+                      "logprobs": None, "finish_reason": handle.finish_reason}
+        else:
+            choice = {"index": 0, "text": handle.text, "logprobs": None, "finish_reason": handle.finish_reason}
+        body = {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                "usage": usage, "verispec": _verispec_info(spec, handle)}
+        return JSONResponse(body, headers=headers)
+
+    def _verispec_info(spec: Speculation, handle: RequestHandle) -> dict:
+        return {"speculate": spec.speculate, "rule": spec.rule, "lossy": spec.lossy,
+                "drafter": state.metrics.info["drafter"] if spec.speculate else None,
+                "k": state.k if spec.speculate else 0, **handle.stats.to_dict()}
+
+    async def _stream(handle: RequestHandle, meta: dict, spec: Speculation, chat: bool, n_prompt: int,
+                      include_usage: bool):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None, first: bool = False, **extra) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return _sse({**meta, "object": obj, "choices": [choice], **extra})
+
+        if chat:
+            yield chunk(None, None, first=True)
+        while True:
+            kind, value = await handle.events.get()
+            if kind == "text":
+                yield chunk(value, None)
+                continue
+            if value == "error":
+                status, message = handle.error
+                yield _sse(OpenAIError(status, message, type="server_error").body())
+            elif value != "cancelled":
+                yield chunk(None, value, verispec=_verispec_info(spec, handle))
+                if include_usage:
+                    yield _sse({**meta, "object": obj, "choices": [], "usage": {
+                        "prompt_tokens": n_prompt, "completion_tokens": handle.completion_tokens,
+                        "total_tokens": n_prompt + handle.completion_tokens}})
+            yield "data: [DONE]\n\n"
+            return
+
+    return app

@@ -1,0 +1,455 @@
+"""Audit any OpenAI-compatible endpoint (verispec serve, vLLM, SGLang, ...) from outside.
+
+An async client (httpx) sends the suite's prompts at temperature 0, at each load level
+(number of concurrent clients), and records per prompt: the text, finish reason, token
+counts, latency and time to first token; with `logprobs=True`, the chosen tokens'
+log-probabilities and top-2 margins where the server returns them. Around each level it
+scrapes the server's Prometheus /metrics and reports the speculative-decoding counters
+that vLLM (``vllm:spec_decode_*``), SGLang (``sglang:spec_accept_*``) and verispec
+(``verispec_spec_decode_*``) expose, as differences over the level.
+
+    run = audit_endpoint(EndpointConfig("http://127.0.0.1:8000"), prompts)
+    ref = audit_endpoint(EndpointConfig("http://127.0.0.1:8000", concurrency=(1,),
+                                        extra_body={"verispec": {"speculate": False}}), prompts)
+    rows = compare_outputs(ref.levels[0].results, run.levels[-1].results)
+
+The comparison is on text: OpenAI responses carry no token ids. Nothing here knows the
+model; the offline audit's report is built from these records by the audit package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable
+
+import httpx
+
+# -- Prometheus text -----------------------------------------------------------------------
+
+_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\d+)?$')
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text exposition -> [(name, labels, value)]; comments and junk skipped."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        labels = {k: v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
+                  for k, v in _LABEL.findall(m.group(3) or "")}
+        out.append((m.group(1), labels, value))
+    return out
+
+
+def _total(samples, name: str) -> float | None:
+    vals = [v for n, _, v in samples if n == name]
+    return sum(vals) if vals else None
+
+
+def _mean(samples, name: str) -> float | None:
+    vals = [v for n, _, v in samples if n == name]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _per_position(samples, name: str) -> list[float]:
+    by_pos: dict[int, float] = {}
+    for n, labels, v in samples:
+        if n == name and labels.get("position", "").isdigit():
+            by_pos[int(labels["position"])] = by_pos.get(int(labels["position"]), 0.0) + v
+    return [by_pos.get(i, 0.0) for i in range(max(by_pos) + 1)] if by_pos else []
+
+
+@dataclass
+class SpecCounters:
+    """Speculative-decoding figures a server exposes (counters as they stand; see `delta`).
+
+    mean_acceptance_length follows vLLM: 1 + accepted / drafts (tokens per verification of
+    a row, bonus token included); SGLang reports it directly as a gauge."""
+
+    source: str  # "vllm" | "sglang" | "verispec"
+    drafts: float | None = None  # row-steps that verified drafts
+    draft_tokens: float | None = None
+    accepted_tokens: float | None = None
+    accepted_per_position: list[float] = field(default_factory=list)
+    drafted_per_position: list[float] = field(default_factory=list)
+    generation_tokens: float | None = None
+    target_passes: float | None = None  # verispec only: passes per row, speculative or not
+    accept_length_gauge: float | None = None  # SGLang's own average (server lifetime or window)
+    accept_rate_gauge: float | None = None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        if self.draft_tokens:
+            return self.accepted_tokens / self.draft_tokens
+        return self.accept_rate_gauge
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        if self.drafts:
+            return 1.0 + self.accepted_tokens / self.drafts
+        return self.accept_length_gauge
+
+    @property
+    def tokens_per_target_pass(self) -> float | None:
+        """Generated tokens per target pass (verispec's own figure; 1.0 = plain decoding)."""
+        if self.target_passes:
+            return self.generation_tokens / self.target_passes
+        return None
+
+    @property
+    def acceptance_per_position(self) -> list[float | None]:
+        if self.drafted_per_position:
+            return [a / d if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        if self.drafts:  # vLLM: position i was drafted once per draft (fixed k)
+            return [a / self.drafts for a in self.accepted_per_position]
+        return []
+
+    def delta(self, before: "SpecCounters | None") -> "SpecCounters":
+        """Counters as differences since `before` (gauges keep their current value)."""
+        if before is None or before.source != self.source:
+            return self
+
+        def d(a, b):
+            return None if a is None else a - (b or 0.0)
+
+        def dl(a, b):
+            return [x - (b[i] if i < len(b) else 0.0) for i, x in enumerate(a)]
+        return SpecCounters(self.source, d(self.drafts, before.drafts), d(self.draft_tokens, before.draft_tokens),
+                            d(self.accepted_tokens, before.accepted_tokens),
+                            dl(self.accepted_per_position, before.accepted_per_position),
+                            dl(self.drafted_per_position, before.drafted_per_position),
+                            d(self.generation_tokens, before.generation_tokens),
+                            d(self.target_passes, before.target_passes),
+                            self.accept_length_gauge, self.accept_rate_gauge)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(acceptance_rate=self.acceptance_rate, mean_acceptance_length=self.mean_acceptance_length,
+                   tokens_per_target_pass=self.tokens_per_target_pass,
+                   acceptance_per_position=self.acceptance_per_position)
+        return out
+
+
+def spec_counters(text: str) -> SpecCounters | None:
+    """The speculative-decoding counters in a /metrics page, or None when it has none."""
+    s = parse_prometheus(text)
+    names = {n for n, _, _ in s}
+    if "verispec_spec_decode_num_draft_tokens_total" in names:
+        return SpecCounters(
+            "verispec", _total(s, "verispec_spec_decode_num_drafts_total"),
+            _total(s, "verispec_spec_decode_num_draft_tokens_total"),
+            _total(s, "verispec_spec_decode_num_accepted_tokens_total"),
+            _per_position(s, "verispec_spec_decode_num_accepted_tokens_per_pos_total"),
+            _per_position(s, "verispec_spec_decode_num_draft_tokens_per_pos_total"),
+            _total(s, "verispec_generation_tokens_total"), _total(s, "verispec_target_passes_total"))
+    if "vllm:spec_decode_num_draft_tokens_total" in names:
+        return SpecCounters(
+            "vllm", _total(s, "vllm:spec_decode_num_drafts_total"),
+            _total(s, "vllm:spec_decode_num_draft_tokens_total"),
+            _total(s, "vllm:spec_decode_num_accepted_tokens_total"),
+            _per_position(s, "vllm:spec_decode_num_accepted_tokens_per_pos_total"),
+            generation_tokens=_total(s, "vllm:generation_tokens_total"),
+            accept_rate_gauge=_mean(s, "vllm:spec_decode_draft_acceptance_rate"))  # vLLM v0 gauge
+    if names & {"sglang:spec_accept_length", "sglang:spec_accept_rate"}:
+        return SpecCounters("sglang", generation_tokens=_total(s, "sglang:generation_tokens_total"),
+                            accept_length_gauge=_mean(s, "sglang:spec_accept_length"),
+                            accept_rate_gauge=_mean(s, "sglang:spec_accept_rate"))
+    return None
+
+
+def server_kind(text: str) -> str:
+    for prefix, kind in (("verispec_", "verispec"), ("vllm:", "vllm"), ("sglang:", "sglang")):
+        if re.search(rf"^{re.escape(prefix)}", text, re.M):
+            return kind
+    return "unknown"
+
+
+# -- the client ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    url: str  # the server's base URL, with or without a trailing /v1
+    model: str | None = None  # None: the first id in /v1/models
+    api_key: str | None = None
+    chat: bool = True  # /v1/chat/completions (the server applies its chat template) or /v1/completions
+    max_tokens: int = 64
+    concurrency: tuple[int, ...] = (1, 8)  # load levels: concurrent clients
+    logprobs: bool = False  # ask for logprobs (top 2); dropped if the server refuses them
+    timeout_s: float = 300.0
+    extra_body: dict | None = None  # e.g. {"verispec": {"speculate": False}}: the reference on one server
+
+    @property
+    def base(self) -> str:
+        u = self.url.rstrip("/")
+        return u[:-3] if u.endswith("/v1") else u
+
+
+@dataclass
+class PromptResult:
+    id: str
+    slice: str
+    text: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    latency_s: float | None = None  # request sent -> last byte
+    ttft_s: float | None = None  # request sent -> first text
+    error: str | None = None  # "HTTP 400: ..." or "ReadTimeout: ..."
+    tokens: list[str] | None = None  # token texts, where the server returns logprobs
+    token_logprobs: list[float] | None = None  # chosen tokens' logprobs, likewise
+    top2_margins: list[float | None] | None = None  # logprob(top1) - logprob(top2) per token
+    server_info: dict | None = None  # a "verispec" (or vLLM "metrics") object in the response, if any
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class LevelRun:
+    concurrency: int
+    wall_s: float
+    results: list[PromptResult]
+    spec: SpecCounters | None  # counters over this level only (differences)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(r.completion_tokens or 0 for r in self.results if r.ok)
+
+    def summary(self) -> dict:
+        lat = [r.latency_s for r in self.results if r.ok and r.latency_s is not None]
+        ttft = [r.ttft_s for r in self.results if r.ok and r.ttft_s is not None]
+        return {"concurrency": self.concurrency, "requests": len(self.results),
+                "errors": sum(not r.ok for r in self.results), "wall_s": self.wall_s,
+                "completion_tokens": self.completion_tokens,
+                "tokens_per_s": self.completion_tokens / self.wall_s if self.wall_s else None,
+                "latency_p50_s": statistics.median(lat) if lat else None,
+                "latency_p95_s": _quantile(lat, 0.95), "ttft_p50_s": statistics.median(ttft) if ttft else None,
+                "spec": self.spec.to_dict() if self.spec else None}
+
+
+@dataclass
+class EndpointRun:
+    url: str
+    model: str
+    kind: str  # "verispec" | "vllm" | "sglang" | "unknown" (from /metrics)
+    logprobs: bool  # whether the server returned logprobs
+    levels: list[LevelRun]
+
+    def to_dict(self) -> dict:
+        return {"url": self.url, "model": self.model, "kind": self.kind, "logprobs": self.logprobs,
+                "levels": [{**lv.summary(), "results": [asdict(r) for r in lv.results]} for lv in self.levels]}
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class _LogprobsRefused(Exception):
+    pass
+
+
+class EndpointClient:
+    def __init__(self, cfg: EndpointConfig):
+        self.cfg = cfg
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self.http = httpx.AsyncClient(base_url=cfg.base, headers=headers, timeout=cfg.timeout_s,
+                                      limits=httpx.Limits(max_connections=max(cfg.concurrency) + 4))
+        self.logprobs = cfg.logprobs
+
+    async def aclose(self):
+        await self.http.aclose()
+
+    async def model(self) -> str:
+        if self.cfg.model:
+            return self.cfg.model
+        r = await self.http.get("/v1/models")
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+    async def metrics(self) -> str | None:
+        try:
+            r = await self.http.get("/metrics")
+        except httpx.HTTPError:
+            return None
+        return r.text if r.status_code == 200 else None
+
+    def _body(self, model: str, prompt: str) -> tuple[str, dict]:
+        body = {"model": model, "max_tokens": self.cfg.max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, **(self.cfg.extra_body or {})}
+        if self.cfg.chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+            if self.logprobs:
+                body.update(logprobs=True, top_logprobs=2)
+            return "/v1/chat/completions", body
+        body["prompt"] = prompt
+        if self.logprobs:
+            body["logprobs"] = 2
+        return "/v1/completions", body
+
+    async def complete(self, model: str, pid: str, slice_: str, prompt: str) -> PromptResult:
+        """One streamed request; a refusal of logprobs switches them off and retries once."""
+        try:
+            return await self._complete(model, pid, slice_, prompt)
+        except _LogprobsRefused:
+            self.logprobs = False
+            return await self._complete(model, pid, slice_, prompt)
+
+    async def _complete(self, model, pid, slice_, prompt) -> PromptResult:
+        res = PromptResult(pid, slice_)
+        path, body = self._body(model, prompt)
+        t0 = time.perf_counter()
+        parts, toks, lps, margins = [], [], [], []
+        try:
+            async with self.http.stream("POST", path, json=body) as r:
+                if r.status_code != 200:
+                    detail = (await r.aread()).decode("utf-8", "replace")
+                    if r.status_code == 400 and self.logprobs and "logprobs" in detail:
+                        raise _LogprobsRefused()
+                    res.error = f"HTTP {r.status_code}: {detail[:500]}"
+                    return res
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        res.error = f"stream error: {obj['error']}"
+                        break
+                    if obj.get("usage"):
+                        res.prompt_tokens = obj["usage"].get("prompt_tokens")
+                        res.completion_tokens = obj["usage"].get("completion_tokens")
+                    for key in ("verispec", "metrics"):
+                        if isinstance(obj.get(key), dict):
+                            res.server_info = obj[key]
+                    for ch in obj.get("choices") or []:
+                        text = (ch.get("delta") or {}).get("content") if self.cfg.chat else ch.get("text")
+                        if text:
+                            if res.ttft_s is None:
+                                res.ttft_s = time.perf_counter() - t0
+                            parts.append(text)
+                        if ch.get("finish_reason"):
+                            res.finish_reason = ch["finish_reason"]
+                        _collect_logprobs(ch.get("logprobs"), self.cfg.chat, toks, lps, margins)
+        except httpx.HTTPError as e:
+            res.error = f"{type(e).__name__}: {e}"
+            return res
+        res.latency_s = time.perf_counter() - t0
+        res.text = "".join(parts)
+        if lps:
+            res.tokens, res.token_logprobs, res.top2_margins = toks, lps, margins
+        return res
+
+
+def _collect_logprobs(lp, chat: bool, toks: list, lps: list, margins: list) -> None:
+    """Chat: {"content": [{"logprob", "top_logprobs": [{"logprob"}...]}]}; completions:
+    {"token_logprobs": [...], "top_logprobs": [{token: logprob}, ...]}."""
+    if not lp:
+        return
+    if chat:
+        for item in lp.get("content") or []:
+            toks.append(item.get("token") or "")
+            lps.append(item.get("logprob"))
+            top = sorted((t.get("logprob") for t in item.get("top_logprobs") or []), reverse=True)
+            margins.append(top[0] - top[1] if len(top) >= 2 else None)
+    else:
+        tops, texts = lp.get("top_logprobs") or [], lp.get("tokens") or []
+        for i, v in enumerate(lp.get("token_logprobs") or []):
+            toks.append(texts[i] if i < len(texts) else "")
+            lps.append(v)
+            top = sorted((tops[i] or {}).values(), reverse=True) if i < len(tops) else []
+            margins.append(top[0] - top[1] if len(top) >= 2 else None)
+
+
+async def run_endpoint(cfg: EndpointConfig, prompts: Iterable, on_result=None) -> EndpointRun:
+    """Every prompt at every load level. prompts: objects with .id, .slice, .prompt
+    (audit.suite.SuitePrompt). on_result(level, PromptResult) is called as answers arrive."""
+    prompts = list(prompts)
+    client = EndpointClient(cfg)
+    try:
+        model = await client.model()
+        first = await client.metrics()
+        kind = server_kind(first) if first is not None else "unknown"
+        levels = []
+        for conc in cfg.concurrency:
+            before = spec_counters(await client.metrics() or "")
+            results: list[PromptResult | None] = [None] * len(prompts)
+            todo = iter(range(len(prompts)))  # shared: each prompt is taken by one worker
+
+            async def worker(level: int, todo, results: list) -> None:
+                for i in todo:
+                    p = prompts[i]
+                    results[i] = await client.complete(model, p.id, p.slice, p.prompt)
+                    if on_result is not None:
+                        on_result(level, results[i])
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker(conc, todo, results) for _ in range(min(conc, len(prompts)) or 1)))
+            wall = time.perf_counter() - t0
+            after = spec_counters(await client.metrics() or "")
+            levels.append(LevelRun(conc, wall, results, after.delta(before) if after else None))
+        return EndpointRun(cfg.base, model, kind, client.logprobs, levels)
+    finally:
+        await client.aclose()
+
+
+def audit_endpoint(cfg: EndpointConfig, prompts: Iterable, on_result=None) -> EndpointRun:
+    """Synchronous wrapper of run_endpoint."""
+    return asyncio.run(run_endpoint(cfg, prompts, on_result))
+
+
+def first_divergence(a: str, b: str) -> int | None:
+    """Index of the first differing character (None when equal)."""
+    if a == b:
+        return None
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def compare_outputs(reference: list[PromptResult], candidate: list[PromptResult]) -> list[dict]:
+    """Per prompt: exact text match and the first differing character, with the reference's
+    top-2 logprob margin near there when logprobs were returned (a tiny margin: numerics)."""
+    by_id = {r.id: r for r in reference}
+    rows = []
+    for c in candidate:
+        ref = by_id.get(c.id)
+        if ref is None or not ref.ok or not c.ok:
+            rows.append({"id": c.id, "slice": c.slice, "compared": False,
+                         "error": (ref.error if ref else "no reference") if not (ref and ref.ok) else c.error})
+            continue
+        at = first_divergence(ref.text, c.text)
+        rows.append({"id": c.id, "slice": c.slice, "compared": True, "exact": at is None,
+                     "first_divergence_char": at, "reference_chars": len(ref.text), "chars": len(c.text),
+                     "reference_top2_margin": _margin_at(ref, at) if at is not None else None})
+    return rows
+
+
+def _margin_at(ref: PromptResult, char: int) -> float | None:
+    """The reference's top-2 logprob margin at the token holding character `char`."""
+    if not ref.tokens or not ref.top2_margins:
+        return None
+    end = 0
+    for tok, margin in zip(ref.tokens, ref.top2_margins):
+        end += len(tok)
+        if end > char:
+            return margin
+    return None

@@ -1,0 +1,218 @@
+"""The OpenAI request bodies we accept, their validation, and OpenAI-style errors.
+
+Types are strict (no "5" -> 5 coercion, no true -> 1); unknown fields are ignored as
+OpenAI-compatible servers do; parameters we cannot honour answer 400 instead of
+being silently dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..verify import LOSSY_RULES, RULES
+
+MAX_STOP_STRINGS = 16
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
+
+
+class OpenAIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def unsupported(param: str, what: str | None = None) -> OpenAIError:
+    return OpenAIError(400, f"{what or param} is not supported by verispec serve", param=param,
+                       code="unsupported_parameter")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class VerispecOptions(BaseModel):
+    """The extra body field ``"verispec": {...}``: per-request speculation override."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    speculate: Optional[bool] = None  # false: plain decoding for this request (k = 0)
+    rule: Optional[str] = None  # a verification rule; see resolve_speculation
+
+
+class StreamOptions(_Strict):
+    include_usage: Optional[bool] = False
+
+
+Number = Optional[float]
+
+
+class _Common(_Strict):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Number = Field(default=None, ge=0.0, le=2.0)
+    top_p: Number = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=-1)  # vLLM extension; -1 or 0 = off
+    n: Optional[int] = Field(default=None, ge=1)
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: Number = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Number = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict] = None
+    user: Optional[str] = None
+    ignore_eos: Optional[bool] = False  # vLLM extension: generate exactly max_tokens
+    verispec: Optional[VerispecOptions] = None
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list] = None
+    response_format: Optional[dict] = None
+
+
+def parse(model: type[BaseModel], body: dict) -> BaseModel:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err["loc"]]
+        # a union reports the branch it tried ("prompt.str"); name the field the client sent
+        param = loc[0] if loc else None
+        where = ".".join(x for x in loc if x not in ("str", "list[int]", "list[str]", "list[list[int]]",
+                                                        "list[TextPart]", "int", "float", "bool"))
+        kind = err["type"]
+        if kind == "missing":
+            msg, code = f"missing required parameter '{where or param}'", "missing_required_parameter"
+        else:
+            msg = f"invalid value for '{where or param}': {err['msg']}"
+            code = "invalid_type" if kind.endswith("_type") else "invalid_value"
+        raise OpenAIError(400, msg, param=param, code=code) from None
+
+
+def check_common(req: _Common) -> None:
+    """Parameters that type-check but that verispec cannot honour."""
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None and not math.isfinite(v):
+            raise OpenAIError(400, f"'{name}' must be a finite number", param=name, code="invalid_value")
+    if req.n not in (None, 1):
+        raise OpenAIError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
+    if req.presence_penalty or req.frequency_penalty:
+        raise unsupported("presence_penalty" if req.presence_penalty else "frequency_penalty")
+    if req.logit_bias:
+        raise unsupported("logit_bias")
+    stops = stop_list(req.stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise OpenAIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop",
+                          code="invalid_value")
+    if any(s == "" for s in stops):
+        raise OpenAIError(400, "stop strings must not be empty", param="stop", code="invalid_value")
+
+
+def stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def check_completion(req: CompletionRequest) -> None:
+    check_common(req)
+    if req.logprobs is not None:
+        raise unsupported("logprobs", "logprobs (the engine does not return token probabilities)")
+    if req.echo:
+        raise unsupported("echo")
+    if req.best_of not in (None, 1):
+        raise unsupported("best_of", "best_of > 1")
+    if req.suffix:
+        raise unsupported("suffix")
+
+
+def check_chat(req: ChatRequest) -> None:
+    check_common(req)
+    if req.logprobs or req.top_logprobs:
+        raise unsupported("logprobs", "logprobs (the engine does not return token probabilities)")
+    if req.tools:
+        raise unsupported("tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise unsupported("response_format", "structured output (response_format)")
+
+
+# -- per-request speculation --------------------------------------------------------
+
+@dataclass(frozen=True)
+class Speculation:
+    """What a request is served with: whether its row drafts, and the rule that verifies it."""
+
+    speculate: bool  # False: k = 0 for this row (plain decoding)
+    rule: str  # the rule that verifies this row ("greedy" for temperature-0 rows)
+    lossy: bool  # True only for typical-lossy with drafts on a sampled row
+
+
+def resolve_speculation(server_rule: str, has_drafter: bool, temperature: float,
+                        opts: VerispecOptions | None) -> Speculation:
+    """The per-request override. Honoured exactly or refused, never approximated:
+
+    * speculate=false: the row drafts nothing; output is plain decoding.
+    * temperature 0: the engine verifies greedy rows by argmax whatever the server rule,
+      and every rule reduces to that, so any known rule is accepted; never lossy.
+    * temperature > 0 needs a sampling rule. The server's own rule is used as is
+      (typical-lossy is flagged lossy). Asking for an exact rule ("rejection") on a
+      server that runs typical-lossy is served with k = 0: with no drafts every sampling
+      rule samples the target exactly. A lossy rule the server was not started with,
+      or "greedy" with temperature > 0, is refused (400).
+    """
+    opts = opts or VerispecOptions()
+    speculate = has_drafter and opts.speculate is not False
+    rule = opts.rule if opts.rule is not None else server_rule
+    if rule not in RULES:
+        raise OpenAIError(400, f"unknown verification rule {rule!r}; valid: {', '.join(RULES)}",
+                          param="verispec.rule", code="invalid_value")
+    if temperature == 0.0:
+        return Speculation(speculate, "greedy", False)
+    if server_rule == "greedy":
+        raise OpenAIError(400, "this server verifies with rule 'greedy' (temperature 0 only); "
+                               "send temperature 0 or start it with --verify rejection",
+                          param="temperature", code="invalid_value")
+    if rule == "greedy":
+        raise OpenAIError(400, "rule 'greedy' verifies temperature-0 requests only; send temperature 0 "
+                               "or use rule 'rejection'", param="verispec.rule", code="invalid_value")
+    if rule in LOSSY_RULES and rule != server_rule:
+        raise OpenAIError(400, f"lossy rule {rule!r} is not enabled on this server (it runs "
+                               f"{server_rule!r}); start it with --verify {rule} to use it",
+                          param="verispec.rule", code="invalid_value")
+    if rule != server_rule:  # an exact rule on a lossy server: no drafts, so exact sampling
+        return Speculation(False, rule, False)
+    return Speculation(speculate, rule, speculate and rule in LOSSY_RULES)

@@ -1,0 +1,97 @@
+"""The endpoint audit client: suite prompts at temperature 0 under concurrency against a
+live server, /metrics speculative counters of verispec, vLLM and SGLang."""
+
+import pytest
+
+from tests.server.helpers import LiveServer, make_state, reference_text
+from verispec.audit.suite import SuitePrompt
+from verispec.server.client_audit import (
+    EndpointConfig,
+    audit_endpoint,
+    compare_outputs,
+    first_divergence,
+    parse_prometheus,
+    server_kind,
+    spec_counters,
+)
+
+PROMPTS = [SuitePrompt(f"p{i}", "letters" if i % 2 else "words", text) for i, text in enumerate(
+    ["hello there", "abc abc abc", "the quick brown fox", "zz", "one, two, three", "lorem ipsum", "q", "xyzzy"])]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LiveServer(make_state(drafter="draft", k=3, max_batch=4)) as s:
+        yield s
+
+
+def test_endpoint_run_under_concurrency(server):
+    cfg = EndpointConfig(server.url + "/v1", chat=False, max_tokens=12, concurrency=(1, 4), logprobs=True)
+    run = audit_endpoint(cfg, PROMPTS)
+    assert run.model == "tiny" and run.kind == "verispec"
+    assert run.logprobs is False  # verispec refuses logprobs: the client dropped them and went on
+    for level in run.levels:
+        assert [r.id for r in level.results] == [p.id for p in PROMPTS]
+        for p, r in zip(PROMPTS, level.results):
+            assert r.ok, r.error
+            want, reason = reference_text(p.prompt, 12)
+            assert (r.text, r.finish_reason) == (want, reason)  # equal to plain decoding
+            assert r.latency_s > 0 and r.completion_tokens >= 1
+        s = level.summary()
+        assert s["errors"] == 0 and s["tokens_per_s"] > 0
+        assert level.spec.source == "verispec" and level.spec.draft_tokens > 0
+        assert 0 < level.spec.acceptance_rate < 1
+        assert len(level.spec.acceptance_per_position) == 3
+    # the same server as its own reference: speculation off
+    ref = audit_endpoint(EndpointConfig(server.url, chat=False, max_tokens=12, concurrency=(1,),
+                                        extra_body={"verispec": {"speculate": False}}), PROMPTS)
+    assert ref.levels[0].spec.draft_tokens == 0
+    rows = compare_outputs(ref.levels[0].results, run.levels[-1].results)
+    assert all(r["compared"] and r["exact"] for r in rows)
+    assert run.to_dict()["levels"][1]["concurrency"] == 4
+
+
+def test_chat_and_errors_are_recorded(server):
+    run = audit_endpoint(EndpointConfig(server.url, model="tiny", chat=True, max_tokens=8, concurrency=(2,)),
+                         PROMPTS[:3])
+    assert all(r.ok and r.text is not None for r in run.levels[0].results)
+    bad = audit_endpoint(EndpointConfig(server.url, model="nope", chat=True, concurrency=(1,)), PROMPTS[:1])
+    assert bad.levels[0].results[0].error.startswith("HTTP 404")
+
+
+VLLM = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 100.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 300.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 150.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 80.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 45.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 25.0
+vllm:generation_tokens_total{engine="0",model_name="m"} 400.0
+"""
+SGLANG = """# TYPE sglang:spec_accept_length gauge
+sglang:spec_accept_length{model_name="m",tp_rank="0"} 2.8
+sglang:spec_accept_rate{model_name="m",tp_rank="0"} 0.6
+sglang:generation_tokens_total{model_name="m"} 7.0
+"""
+
+
+def test_vllm_and_sglang_counters():
+    v = spec_counters(VLLM)
+    assert server_kind(VLLM) == "vllm" and v.source == "vllm"
+    assert v.acceptance_rate == 0.5 and v.mean_acceptance_length == 2.5
+    assert v.acceptance_per_position == [0.8, 0.45, 0.25]
+    later = spec_counters(VLLM.replace("} 100.0", "} 110.0").replace("} 300.0", "} 330.0")
+                          .replace("} 150.0", "} 160.0"))
+    d = later.delta(v)
+    assert (d.drafts, d.draft_tokens, d.accepted_tokens) == (10, 30, 10)
+    g = spec_counters(SGLANG)
+    assert server_kind(SGLANG) == "sglang" and g.mean_acceptance_length == 2.8 and g.acceptance_rate == 0.6
+    assert spec_counters("# nothing\nhttp_requests_total 3\n") is None
+
+
+def test_prometheus_parser_and_divergence():
+    s = parse_prometheus('a_total{x="q\\"uote",position="1"} 2\n# c\nb 1.5e3 1700000000\ngarbage line\n')
+    assert s == [("a_total", {"x": 'q"uote', "position": "1"}, 2.0), ("b", {}, 1500.0)]
+    assert first_divergence("abc", "abc") is None
+    assert first_divergence("abc", "abd") == 2 and first_divergence("ab", "abc") == 2
