@@ -102,3 +102,28 @@ def test_stop_tokens_end_rows(models, reference):
         cut = ref.index(stop) + 1 if stop in ref else len(ref)
         assert r.output_ids == ref[:cut]
         assert r.finish_reason == ("stop" if stop in ref else "length")
+
+
+def test_out_of_vocabulary_prompt_is_refused(models):
+    eng = Engine(models[1], config=EngineConfig(max_batch=4, max_len=128))
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.add(Request([1, 2, 10_000]))
+    assert not eng.has_work
+
+
+def test_failed_prefill_frees_rows(models, monkeypatch):
+    _, target, _ = models
+    eng = Engine(target, config=EngineConfig(max_batch=4, max_len=128))
+    bad = Request([1, 2, 3, 4])
+    eng.add(bad)
+
+    def broken(*a, **k):
+        raise RuntimeError("model failure")
+    with monkeypatch.context() as m:
+        m.setattr(target, "forward", broken)
+        with pytest.raises(RuntimeError):
+            eng.step()
+    assert eng.cache.rows_in_use == 0 and bad.finished and bad.finish_reason == "error"
+    good = Request([1, 2, 3], GenerationParams(max_new_tokens=3))
+    eng.run([good])  # the engine still serves
+    assert len(good.output_ids) == 3

@@ -50,7 +50,7 @@ class StepTimes:
     verify_forward_s: float = 0.0
     other_s: float = 0.0
     steps: int = 0
-    per_step: list = field(default_factory=list)  # (batch, sum k, seconds)
+    per_step: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent (batch, sum k, seconds)
 
     def to_dict(self) -> dict:
         total = self.prefill_s + self.draft_s + self.verify_forward_s + self.other_s
@@ -83,6 +83,9 @@ class Engine:
             raise ContextLengthError(
                 f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.params.max_new_tokens}) "
                 f"= {total} exceeds the context of {self.config.max_len} tokens")
+        V = self.target.config.vocab_size
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= V:
+            raise ValueError(f"prompt token ids must lie in the vocabulary [0, {V})")
         sp = req.params.sampling
         if self.config.rule == "coupled" and not sp.greedy and not sp.coupled:
             seed = sp.seed if sp.seed is not None else int(torch.randint(2 ** 62, ()))
@@ -123,13 +126,18 @@ class Engine:
             r.row, r._t0 = row, t0
         # prefill all but the pending token (the last prompt token)
         lens = [len(r.prompt_ids) - 1 for r in new]
-        if max(lens) > 0:
-            x = torch.zeros(len(new), max(lens), dtype=torch.long)  # [B,T]
-            for b, r in enumerate(new):
-                x[b, :lens[b]] = torch.tensor(r.prompt_ids[:-1])
-            self.target.forward(x, self.cache, rows, lens, last_only=True)
-        if self.drafter is not None:
-            self.drafter.admit(rows, [r.tokens for r in new])
+        try:
+            if max(lens) > 0:
+                x = torch.zeros(len(new), max(lens), dtype=torch.long)  # [B,T]
+                for b, r in enumerate(new):
+                    x[b, :lens[b]] = torch.tensor(r.prompt_ids[:-1])
+                self.target.forward(x, self.cache, rows, lens, last_only=True)
+            if self.drafter is not None:
+                self.drafter.admit(rows, [r.tokens for r in new])
+        except Exception:  # nobody holds these rows now: free them before reporting the failure
+            for r in new:
+                self._finish(r, "error")
+            raise
         self.running.extend(new)
         self.times.prefill_s += time.perf_counter() - t0
 

@@ -86,7 +86,7 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     stats: RequestStats = field(default_factory=RequestStats)
     # engine-owned state
     row: int | None = None

@@ -244,8 +244,6 @@ class EngineWorker:
                         keep=lambda r: id(r) in waiting)
             return
         self.metrics.step(time.perf_counter() - t0, rows)
-        if len(eng.times.per_step) > 4096:  # the engine keeps one record per step: bound it
-            del eng.times.per_step[:-1024]
         out = []
         for entry in list(self._active.values()):
             r = entry.handle.req
