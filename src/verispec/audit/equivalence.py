@@ -52,3 +52,17 @@ def compare(prompt: list[int], ref: list[int], got: list[int], margin_fn, tie_ma
         return Comparison(False, i, None, "divergence")
     m = top2_margin(margin_fn(prompt, ref, i))
     return Comparison(False, i, m, "near-tie" if m < tie_margin else "divergence")
+
+
+def teacher_forced_logits(model, tokens: list[int], first: int = 0, num_layers: int | None = None) -> torch.Tensor:
+    """One batch-1 pass of model over tokens -> logits [T - first, V]; row j is the output at
+    position first + j, i.e. the distribution of tokens[first + j + 1]. Positions before
+    `first` are prefilled without computing their logits (the LM head is a large share of a
+    small model). num_layers < L gives the layer-skip draft's logits (see models/llama.py)."""
+    if not 0 <= first < len(tokens):
+        raise ValueError(f"first must lie in [0, {len(tokens)}), got {first}")
+    cache = model.new_cache(1, len(tokens))
+    row = cache.alloc()
+    if first > 0:
+        model.forward(torch.tensor([tokens[:first]]), cache, row, last_only=True, num_layers=num_layers)
+    return model.forward(torch.tensor([tokens[first:]]), cache, row, num_layers=num_layers)[0]

@@ -1,0 +1,156 @@
+"""`verispec audit`: the argument parsing and the edge where AuditConfig is built.
+
+Exit status: 0 when every check passes, 1 when any fails, 2 for usage errors."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEFAULT_BATCH_SIZES = {"full": (1, 4, 16, 32), "quick": (1, 4, 16)}
+
+
+def _batch_sizes(s: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {s!r}")
+    return sizes
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _threads(s: str) -> int | str:
+    return s if s == "auto" else _positive_int(s)
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def add_audit_parser(sub) -> None:
+    from ..engine.faults import FAULTS
+    from ..verify import RULES
+
+    a = sub.add_parser("audit", help="audit speculative decoding: equivalence, distribution, "
+                                     "corruption, slices, load; exit 1 on failure",
+                       description="Run the deployment checklist and write report.json, report.md and "
+                                   "report.html. Exit status 1 when any check fails.")
+    a.add_argument("--target", default="smollm2-135m", help="preset, HF directory, GGUF file or hub id")
+    a.add_argument("--draft", default="lookup",
+                   help="lookup[:N] | layerskip:N | a draft model (preset, path, hub id); default lookup")
+    a.add_argument("--k", type=_positive_int, default=4, help="draft tokens per step (default 4)")
+    a.add_argument("--verify", default="rejection", choices=list(RULES),
+                   help="verification rule; typical-lossy is lossy and fails the audit")
+    a.add_argument("--suite", default="default", help='"default" or a JSONL file (Spec-Bench format accepted)')
+    a.add_argument("--batch-sizes", type=_batch_sizes, default=None,
+                   help="comma-separated (default 1,4,16,32; with --quick 1,4,16)")
+    a.add_argument("--out", default="verispec-audit", help="report directory (default ./verispec-audit)")
+    a.add_argument("--quick", action="store_true",
+                   help="2 prompts per slice, fewer samples: about 3 minutes on 2 cores")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--temperature", type=_positive_float, default=1.0,
+                   help="temperature of the distribution check (default 1.0)")
+    a.add_argument("--prompt-format", choices=("auto", "chat", "raw"), default="auto",
+                   help="auto (default): the chat template when the tokenizer has one, else raw text")
+    a.add_argument("--threads", type=_threads, default="auto",
+                   help="torch CPU threads, or auto (default): 1 or all cores, whichever decodes faster now")
+    a.add_argument("--no-progress", action="store_true", help="no progress bar: one line per finished check")
+    a.add_argument("--inject-fault", choices=list(FAULTS), default=None, help=argparse.SUPPRESS)
+    a.set_defaults(func=cmd_audit)
+
+
+def pick_threads(model, steps: int = 6) -> tuple[int, dict]:
+    """The faster torch thread count for decoding right now, 1 or all cores, timed on a few
+    batch-1 decode steps (alternating, best of two each). On a shared machine, OpenMP threads
+    waiting at barriers for a descheduled sibling can make all-cores several times slower
+    than one thread; on an idle machine all cores win. -> (threads, tokens/s per candidate)."""
+    import os
+
+    import torch
+
+    candidates = sorted({1, os.cpu_count() or 1})
+    cache = model.new_cache(1, 16 + 4 * steps)
+    row = cache.alloc()
+    model.forward(torch.zeros(1, 16, dtype=torch.long), cache, row, last_only=True)
+    best: dict[int, float] = {}
+    for n in candidates * 2:
+        torch.set_num_threads(n)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            model.forward(torch.zeros(1, 1, dtype=torch.long), cache, row, last_only=True)
+        best[n] = max(best.get(n, 0.0), steps / (time.perf_counter() - t0))
+    threads = max(best, key=best.get)
+    torch.set_num_threads(threads)
+    return threads, best
+
+
+def config_from_args(args):
+    from .context import AuditConfig, AuditSizes
+    mode = "quick" if args.quick else "full"
+    return AuditConfig(target=args.target, draft=args.draft, k=args.k, rule=args.verify, suite=args.suite,
+                       batch_sizes=args.batch_sizes or DEFAULT_BATCH_SIZES[mode],
+                       sizes=AuditSizes.quick() if args.quick else AuditSizes.full(),
+                       seed=args.seed, temperature=args.temperature, prompt_format=args.prompt_format,
+                       inject_fault=args.inject_fault)
+
+
+def cmd_audit(args) -> int:
+    import torch
+
+    from ..cli import UsageError
+    from ..models import load_model
+    from .progress import PlainProgress, RichProgress
+    from .report import write_reports
+    from .runner import drafter_factory_from_spec, run_audit
+    from .suite import load_suite
+
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if config.rule == "typical-lossy":
+        print("WARNING: --verify typical-lossy is LOSSY: the audit will fail it", file=sys.stderr)
+    if config.inject_fault:
+        print(f"TEST ONLY: injecting fault {config.inject_fault!r}", file=sys.stderr)
+    t0 = time.perf_counter()
+    # resolve everything a user can get wrong before the long run starts
+    try:
+        suite = load_suite(config.suite)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    target = load_model(config.target, progress=not args.no_progress)
+    try:
+        factory, draft_files = drafter_factory_from_spec(config.draft, target.model, target.tokenizer)
+    except ValueError as e:
+        raise UsageError(f"--draft {config.draft}: {e}") from None
+    if args.threads == "auto":
+        threads, speeds = pick_threads(target.model)
+        print(f"torch threads: {threads} (decode tok/s by thread count: "
+              + ", ".join(f"{n}: {v:.1f}" for n, v in speeds.items()) + ")", file=sys.stderr)
+    else:
+        torch.set_num_threads(args.threads)
+    progress = PlainProgress() if args.no_progress else RichProgress()
+    try:
+        result = run_audit(config, target=target, drafter_factory=factory, draft_files=draft_files,
+                           prompts=suite, progress=progress)
+    finally:
+        progress.close()
+    paths = write_reports(result.to_dict(), args.out)
+    elapsed = time.perf_counter() - t0
+    print(f"verdict: {result.verdict.upper()}"
+          + (f" (failed: {', '.join(result.failed)})" if result.failed else "")
+          + f" in {elapsed:.0f} s", file=sys.stderr)
+    print(f"reports: {paths['json']}, {paths['md']}, {paths['html']}", file=sys.stderr)
+    return 0 if result.verdict == "pass" else 1

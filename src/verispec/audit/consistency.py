@@ -1,0 +1,129 @@
+"""Drafter consistency: did the drafter propose what a correct drafter proposes?
+
+The target verifies every draft, so a drafter whose state is wrong (a draft cache that
+missed a token, a stale n-gram table) leaves greedy output exact and only costs
+acceptance: equivalence cannot see it. Each request's trace records, per step, the
+sequence length before the step, the drafted tokens and how many were accepted. From the
+final sequence we recompute what a correct drafter proposes from each committed prefix
+and compare, over the accepted drafts plus the first rejected one (later drafts were
+conditioned on a rejected token and cannot be recomputed from the final sequence):
+
+* prompt lookup: `lookup_continuation` on the prefix (exact, integer logic);
+* layer-skip: the target's first N layers + final norm + head, teacher-forced;
+* draft model: the draft model, teacher-forced; greedy drafts are its argmax.
+
+Model drafters count a mismatch as a near-tie when the drafted token's logit is within
+TIE_MARGIN of the argmax in the teacher-forced draft logits (kernels differ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..drafters.draft_model import DraftModelDrafter
+from ..drafters.layerskip import LayerSkipDrafter
+from ..drafters.lookup import PromptLookupDrafter, lookup_continuation
+from .checks import CheckResult
+from .context import AuditContext, GreedyRuns
+from .equivalence import TIE_MARGIN, teacher_forced_logits
+
+MAX_LISTED = 20
+
+
+@dataclass(frozen=True)
+class Oracle:
+    kind: str  # "lookup" | "model"
+    max_ngram: int = 0  # lookup
+    model: object = None  # model: the CausalLM whose argmax a greedy draft is
+    num_layers: int | None = None  # layer-skip depth
+
+
+def oracle_for(drafter, target_model) -> Oracle | None:
+    if isinstance(drafter, PromptLookupDrafter):
+        return Oracle("lookup", max_ngram=drafter.max_ngram)
+    if isinstance(drafter, LayerSkipDrafter):
+        return Oracle("model", model=target_model, num_layers=drafter.num_layers)
+    if isinstance(drafter, DraftModelDrafter):
+        return Oracle("model", model=drafter.model)
+    return None
+
+
+def check_request(oracle: Oracle, req, k: int, logits_cache: dict) -> tuple[int, int, list[dict]]:
+    """-> (positions compared, near-ties, mismatches) for one finished greedy request."""
+    full, P = req.tokens, len(req.prompt_ids)
+    logits = best = None
+    if oracle.kind == "model":
+        key = tuple(full)
+        if key not in logits_cache:
+            # [len(full) - P + 1, V]: row j is the draft's output at position P - 1 + j
+            lg = teacher_forced_logits(oracle.model, full, first=P - 1, num_layers=oracle.num_layers)
+            logits_cache[key] = (lg, lg.argmax(-1).tolist())  # sync: one transfer per sequence
+        logits, best = logits_cache[key]
+    compared, ties, bad = 0, 0, []
+    for step, (n0, drafted, acc) in enumerate(req.stats.trace):
+        k_eff = max(0, min(k, req.params.max_new_tokens - (n0 - P) - 1))  # as the engine caps k
+        if oracle.kind == "lookup":
+            expected = lookup_continuation(full[:n0], k_eff, oracle.max_ngram) if k_eff else []
+            if len(drafted) != len(expected):
+                bad.append({"step": step, "position": n0, "drafted": drafted, "expected": expected,
+                            "why": f"{len(drafted)} drafts where a correct drafter finds {len(expected)}"})
+                continue
+        elif len(drafted) != k_eff:
+            bad.append({"step": step, "position": n0, "drafted": drafted,
+                        "why": f"{len(drafted)} drafts, {k_eff} asked for"})
+            continue
+        for i in range(min(acc + 1, len(drafted))):
+            pos = n0 - 1 + i  # the draft at i predicts the token at pos + 1
+            if pos >= len(full) or full[n0:n0 + i] != drafted[:i]:
+                break  # the request stopped inside the accepted drafts: no committed context
+            compared += 1
+            if oracle.kind == "lookup":
+                if drafted[i] != expected[i]:
+                    bad.append({"step": step, "position": pos + 1, "drafted": drafted[i],
+                                "expected": expected[i]})
+                continue
+            j = pos - (P - 1)
+            if drafted[i] == best[j]:
+                continue
+            gap = float(logits[j, best[j]] - logits[j, drafted[i]])  # >= 0; tiny: numerics (sync: rare)
+            if gap < TIE_MARGIN:
+                ties += 1
+            else:
+                bad.append({"step": step, "position": pos + 1, "drafted": drafted[i], "expected": best[j],
+                            "logit_gap": gap})
+    return compared, ties, bad
+
+
+def drafter_consistency_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
+    probe = ctx.drafter_factory(1, 8)
+    oracle = oracle_for(probe, ctx.model)
+    name = getattr(probe, "name", type(probe).__name__)
+    if oracle is None:
+        return CheckResult("drafter-consistency", True,
+                           f"not applicable: no reference implementation for drafter {name!r}",
+                           {"drafter": name, "applicable": False}, informational=True)
+    logits_cache: dict = {}
+    per_batch, mismatches = [], []
+    total = sum(len(v) for v in runs.speculative.values())
+    with ctx.progress.stage(f"drafter consistency ({oracle.kind})", total) as bar:
+        for b, reqs in sorted(runs.speculative.items()):
+            compared = ties = n_bad = 0
+            for i, r in enumerate(reqs):
+                c, t, bad = check_request(oracle, r, ctx.config.k, logits_cache)
+                compared, ties, n_bad = compared + c, ties + t, n_bad + len(bad)
+                for m in bad[:MAX_LISTED - len(mismatches)]:
+                    mismatches.append({"batch": b, "id": ctx.prompts[i].id, **m})
+                bar.advance()
+            per_batch.append({"batch": b, "positions_compared": compared, "near_ties": ties,
+                              "mismatches": n_bad})
+    n_bad = sum(r["mismatches"] for r in per_batch)
+    compared = sum(r["positions_compared"] for r in per_batch)
+    passed = n_bad == 0
+    summary = (f"{compared} draft positions match a fresh {name} drafter"
+               if passed else f"{n_bad} of {compared} draft positions differ from a fresh {name} drafter "
+                              "(stale drafter state)")
+    figures = {"drafter": name, "oracle": oracle.kind, "applicable": True,
+               "positions_compared": compared, "mismatches": n_bad,
+               "near_ties": sum(r["near_ties"] for r in per_batch), "tie_margin": TIE_MARGIN}
+    return CheckResult("drafter-consistency", passed, summary, figures,
+                       {"per_batch": per_batch, "mismatches": mismatches})

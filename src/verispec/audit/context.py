@@ -1,0 +1,148 @@
+"""The audit's configuration (frozen, built at the edge) and the context every check reads:
+the target, a drafter factory, the encoded prompts and the greedy runs they share."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..engine import Engine, EngineConfig, GenerationParams, Request
+from ..engine.faults import FAULTS, inject
+from ..policy import FixedK
+from ..sampling import SamplingParams
+from ..verify import RULES
+from .suite import SuitePrompt, slices
+
+DrafterFactory = Callable[[int, int], Any]  # (max_rows, max_len) -> a Drafter (see drafters/)
+
+
+@dataclass(frozen=True)
+class AuditSizes:
+    """How much work each check does. `quick()` fits ~3 minutes of SmolLM2-135M on 2 CPU
+    cores, `full()` ~20; tests build tiny ones."""
+
+    name: str
+    prompts_per_slice: int | None  # None: every prompt of the suite
+    max_new_tokens: int  # greedy runs (equivalence, consistency, corruption, slices)
+    distribution_tokens: int  # at least this many sampled tokens go into the PIT test
+    distribution_max_new: int  # tokens per sampled request (fixed length: EOS ignored)
+    short_context: int  # load sweep prompt lengths, in tokens
+    long_context: int
+    long_max_batch: int | None  # long context only at batch sizes <= this (None: all)
+    load_rounds: int  # plain/speculative alternations per load point (ABBA order)
+    load_steps: int  # engine steps per phase per round
+
+    def __post_init__(self):
+        if self.max_new_tokens < 2 or self.distribution_max_new < 2:
+            raise ValueError("max_new_tokens and distribution_max_new must be >= 2")
+        if min(self.distribution_tokens, self.short_context, self.long_context,
+               self.load_rounds, self.load_steps) < 1:
+            raise ValueError("audit sizes must be positive")
+
+    @classmethod
+    def quick(cls) -> "AuditSizes":
+        return cls("quick", prompts_per_slice=2, max_new_tokens=40, distribution_tokens=2048,
+                   distribution_max_new=128, short_context=100,
+                   long_context=1000, long_max_batch=4, load_rounds=2, load_steps=3)
+
+    @classmethod
+    def full(cls) -> "AuditSizes":
+        return cls("full", prompts_per_slice=None, max_new_tokens=48, distribution_tokens=6144,
+                   distribution_max_new=96, short_context=100,
+                   long_context=1000, long_max_batch=16, load_rounds=2, load_steps=4)
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    target: str = "smollm2-135m"  # preset, directory, GGUF file or hub id
+    draft: str = "lookup"  # lookup[:N] | layerskip:N | a draft model
+    k: int = 4  # drafts per step (FixedK)
+    rule: str = "rejection"  # verification rule for sampled requests
+    suite: str = "default"  # "default" or a JSONL path
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 32)
+    sizes: AuditSizes = field(default_factory=AuditSizes.full)
+    seed: int = 0
+    temperature: float = 1.0  # distribution check
+    prompt_format: str = "auto"  # auto | chat | raw; auto = chat when the tokenizer has a template
+    inject_fault: str | None = None  # test-only: a name from engine/faults.py
+
+    def __post_init__(self):
+        if self.rule not in RULES:
+            raise ValueError(f"unknown verification rule {self.rule!r}; valid: {', '.join(RULES)}")
+        if self.k < 1:
+            raise ValueError(f"k must be >= 1 (the audit needs drafts to audit), got {self.k}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+        if not self.temperature > 0:
+            raise ValueError(f"the distribution check needs temperature > 0, got {self.temperature}")
+        if self.prompt_format not in ("auto", "chat", "raw"):
+            raise ValueError(f"prompt_format must be auto, chat or raw, got {self.prompt_format!r}")
+        if self.inject_fault is not None and self.inject_fault not in FAULTS:
+            raise ValueError(f"unknown fault {self.inject_fault!r}; faults: {', '.join(FAULTS)}")
+
+    @property
+    def greedy_batch_sizes(self) -> tuple[int, ...]:
+        """Batch sizes of the greedy runs: always batch 1 (the slices compare it with plain)."""
+        return tuple(sorted(set(self.batch_sizes) | {1}))
+
+
+def encode(tokenizer, text: str, chat: bool) -> list[int]:
+    """Raw text exactly as tokenizer(text); chat wraps it in the model's template as a user turn."""
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(tokenizer(text)["input_ids"])
+
+
+def select_prompts(prompts: list[SuitePrompt], per_slice: int | None) -> list[SuitePrompt]:
+    if per_slice is None:
+        return list(prompts)
+    return [p for group in slices(prompts).values() for p in group[:per_slice]]
+
+
+@dataclass
+class GreedyRuns:
+    """Greedy outputs shared by equivalence, drafter consistency, corruption and slices."""
+
+    reference: list[Request]  # plain decoding at batch 1, one per prompt
+    speculative: dict[int, list[Request]]  # batch size -> one per prompt, prompt order
+    seconds: float = 0.0
+
+
+@dataclass
+class AuditContext:
+    config: AuditConfig
+    model: Any  # CausalLM
+    tokenizer: Any
+    drafter_factory: DrafterFactory
+    suite: list[SuitePrompt]  # the whole suite (long load-sweep prompts draw on it)
+    prompts: list[SuitePrompt]  # the audited subset
+    prompt_ids: list[list[int]]
+    chat: bool
+    stops: tuple[int, ...]
+    progress: Any  # progress.Progress
+
+    def fault(self):
+        """The system under audit runs inside this; references and teacher forcing do not."""
+        name = self.config.inject_fault
+        return inject(name) if name else contextlib.nullcontext()
+
+    def engine(self, batch: int, max_len: int, *, speculative: bool = True, policy=None,
+               rule: str | None = None) -> Engine:
+        k = self.config.k
+        drafter = self.drafter_factory(batch, max_len + k + 2) if speculative else None
+        policy = policy if policy is not None else FixedK(k if drafter is not None else 0)
+        return Engine(self.model, drafter, policy,
+                      EngineConfig(max_batch=batch, max_len=max_len, rule=rule or self.config.rule))
+
+    def greedy_params(self) -> GenerationParams:
+        return GenerationParams(max_new_tokens=self.config.sizes.max_new_tokens, stop_token_ids=self.stops)
+
+    def sampled_params(self, seed: int, max_new: int) -> GenerationParams:
+        s = SamplingParams(temperature=self.config.temperature, seed=seed)
+        return GenerationParams(max_new_tokens=max_new, sampling=s, ignore_eos=True)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,169 @@
+"""Corruption signatures: what a broken ragged batch turns output into.
+
+Misaligned positions or KV lengths make a model loop, stutter one character, drift into
+text the model itself finds improbable, or stop early. Models also repeat legitimately,
+so a speculative output is judged against the reference output for the same prompt: a
+signature counts only when the speculative output shows it and the reference does not.
+
+The signature functions are pure (token ids, text, numbers in; numbers out);
+`continuation_perplexity` runs the target once, and `corruption_check` applies them to the
+audit's greedy runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .checks import CheckResult
+from .equivalence import teacher_forced_logits
+
+LOOP_MIN_REPEATS = 4  # a unit repeated at least this many times back to back ...
+LOOP_MIN_SPAN = 16  # ... covering at least this many tokens, at the end of the output
+LOOP_MAX_PERIOD = 32
+NGRAM = 4
+REPETITIVE_FRACTION = 0.5  # share of 4-grams seen earlier in the same output
+REPETITIVE_MARGIN = 0.25  # ... and this much above the reference's share
+CHAR_RUN = 20  # one character this many times in a row
+PPL_RATIO = 2.0  # continuation perplexity this many times the reference's
+EARLY_STOP_RATIO = 0.5  # stopped with fewer than this share of the reference's tokens
+EARLY_STOP_MIN_REF = 8  # ... when the reference ran at least this long
+
+
+def tail_loop(tokens: list[int], max_period: int = LOOP_MAX_PERIOD, min_repeats: int = LOOP_MIN_REPEATS,
+              min_span: int = LOOP_MIN_SPAN) -> tuple[int, int] | None:
+    """(period, repeats) of the shortest unit that ends the output repeated back to back at
+    least min_repeats times over at least min_span tokens; None when the tail is no loop."""
+    n = len(tokens)
+    for p in range(1, min(max_period, n // min_repeats) + 1):
+        span = p  # tokens at the end that are periodic with period p
+        while span < n and tokens[n - 1 - span] == tokens[n - 1 - span + p]:
+            span += 1
+        repeats = span // p
+        if repeats >= min_repeats and repeats * p >= min_span:
+            return p, repeats
+    return None
+
+
+def repeated_ngram_fraction(tokens: list[int], n: int = NGRAM) -> float:
+    """Share of the output's n-grams that already occurred earlier in it (0 for short outputs)."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    if not grams:
+        return 0.0
+    seen, repeated = set(), 0
+    for g in grams:
+        repeated += g in seen
+        seen.add(g)
+    return repeated / len(grams)
+
+
+def longest_char_run(text: str) -> tuple[int, str]:
+    """Length and character of the longest run of one character in text."""
+    best, best_c, run = 0, "", 0
+    for i, c in enumerate(text):
+        run = run + 1 if i and text[i - 1] == c else 1
+        if run > best:
+            best, best_c = run, c
+    return best, best_c
+
+
+def continuation_perplexity(model, prompt: list[int], output: list[int]) -> float | None:
+    """exp(mean negative log-likelihood) of output given prompt under model (temperature 1)."""
+    if not output:
+        return None
+    seq = prompt + output
+    logits = teacher_forced_logits(model, seq[:-1], first=len(prompt) - 1)  # [len(output),V]
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    nll = -logp.gather(-1, torch.tensor(output)[:, None]).mean()
+    return math.exp(float(nll))  # sync: one scalar per output
+
+
+@dataclass(frozen=True)
+class Signatures:
+    tokens: int
+    stopped: bool  # ended on a stop token
+    loop: tuple[int, int] | None  # (period, repeats) at the end
+    repeated_fraction: float
+    char_run: int
+    char_run_char: str
+    perplexity: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def signatures(output: list[int], text: str, stopped: bool, perplexity: float | None) -> Signatures:
+    run, c = longest_char_run(text)
+    return Signatures(tokens=len(output), stopped=stopped, loop=tail_loop(output),
+                      repeated_fraction=round(repeated_ngram_fraction(output), 4),
+                      char_run=run, char_run_char=c, perplexity=perplexity)
+
+
+def new_signatures(got: Signatures, ref: Signatures) -> list[str]:
+    """The corruption signatures got shows and the reference ref does not (empty: clean)."""
+    flags = []
+    if got.loop and not ref.loop:
+        flags.append(f"repetition loop: a {got.loop[0]}-token unit x{got.loop[1]} at the end")
+    if (got.repeated_fraction >= REPETITIVE_FRACTION
+            and got.repeated_fraction > ref.repeated_fraction + REPETITIVE_MARGIN):
+        flags.append(f"repeated {NGRAM}-grams: {got.repeated_fraction:.0%} of the output "
+                     f"(reference {ref.repeated_fraction:.0%})")
+    if got.char_run >= CHAR_RUN and ref.char_run < CHAR_RUN:
+        flags.append(f"character run: {got.char_run_char!r} x{got.char_run}")
+    if (got.perplexity is not None and ref.perplexity is not None
+            and got.perplexity > PPL_RATIO * ref.perplexity):
+        flags.append(f"perplexity {got.perplexity:.2f} > {PPL_RATIO:g}x the reference's {ref.perplexity:.2f}")
+    if (got.stopped and ref.tokens >= EARLY_STOP_MIN_REF
+            and got.tokens < EARLY_STOP_RATIO * ref.tokens):
+        flags.append(f"early stop: {got.tokens} tokens where the reference has {ref.tokens}")
+    return flags
+
+
+def corruption_check(ctx, runs) -> CheckResult:
+    """Signatures of every greedy speculative output against its reference's
+    (ctx: AuditContext, runs: GreedyRuns)."""
+    ppl: dict[tuple[int, tuple[int, ...]], float | None] = {}
+
+    def sig(i: int, req) -> Signatures:
+        key = (i, tuple(req.output_ids))
+        if key not in ppl:
+            ppl[key] = continuation_perplexity(ctx.model, ctx.prompt_ids[i], req.output_ids)
+        return signatures(req.output_ids, ctx.decode(req.output_ids), req.finish_reason == "stop", ppl[key])
+
+    total = len(runs.reference) + sum(len(v) for v in runs.speculative.values())
+    flagged, per_batch = [], []
+    with ctx.progress.stage("corruption signatures", total) as bar:
+        refs = []
+        for i, r in enumerate(runs.reference):
+            refs.append(sig(i, r))
+            bar.advance()
+        for b, reqs in sorted(runs.speculative.items()):
+            n_flagged = 0
+            for i, r in enumerate(reqs):
+                bar.advance()
+                if r.output_ids == runs.reference[i].output_ids:
+                    continue  # identical output: identical signatures
+                flags = new_signatures(sig(i, r), refs[i])
+                if flags:
+                    n_flagged += 1
+                    flagged.append({"batch": b, "id": ctx.prompts[i].id, "slice": ctx.prompts[i].slice,
+                                    "signatures": flags, "text": ctx.decode(r.output_ids)[-200:]})
+            per_batch.append({"batch": b, "outputs": len(reqs), "flagged": n_flagged})
+    ref_ppl = [s.perplexity for s in refs if s.perplexity is not None]
+    reference_own = {"loops": sum(s.loop is not None for s in refs),
+                     "char_runs": sum(s.char_run >= CHAR_RUN for s in refs),
+                     "repetitive": sum(s.repeated_fraction >= REPETITIVE_FRACTION for s in refs),
+                     "median_perplexity": sorted(ref_ppl)[len(ref_ppl) // 2] if ref_ppl else None}
+    passed = not flagged
+    n_out = sum(r["outputs"] for r in per_batch)
+    summary = (f"no new corruption signature in {n_out} speculative outputs" if passed
+               else f"{len(flagged)} of {n_out} speculative outputs show signatures their reference lacks")
+    figures = {"outputs_checked": n_out, "flagged": len(flagged), "reference_own_signatures": reference_own,
+               "thresholds": {"loop": f"unit <= {LOOP_MAX_PERIOD} tokens x >= {LOOP_MIN_REPEATS}, "
+                                      f">= {LOOP_MIN_SPAN} tokens at the end",
+                              "repeated_4gram_fraction": REPETITIVE_FRACTION, "char_run": CHAR_RUN,
+                              "perplexity_ratio": PPL_RATIO, "early_stop_ratio": EARLY_STOP_RATIO}}
+    return CheckResult("corruption", passed, summary, figures,
+                       {"per_batch": per_batch, "flagged": flagged[:50]})

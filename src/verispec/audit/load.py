@@ -1,0 +1,140 @@
+"""Load sweep: throughput and per-token latency of speculative vs plain decoding at several
+batch sizes and at a short and a long context, and the crossover batch size where
+speculation stops paying.
+
+Each load point is ONE engine: B rows are prefilled once, then the same rows decode in
+alternating phases, plain (k = 0) and speculative (k drafts), in ABBA order, so both are
+timed on the same cache, context lengths and machine load. Requests run at fixed length
+(EOS ignored) so no row leaves the batch while it is measured.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..engine import GenerationParams, Request
+from .checks import CheckResult
+from .context import AuditContext, encode
+from .suite import slices
+
+
+class PhasedPolicy:
+    """Policy (see policy/): k drafts per row in the speculative phase, 0 in the plain one.
+    The sweep flips `speculative` between engine steps."""
+
+    def __init__(self, k: int):
+        self.max_k = k
+        self.speculative = False
+
+    def choose(self, requests):
+        return [self.max_k if self.speculative else 0] * len(requests)
+
+    def observe(self, requests, k, accepted):
+        pass
+
+
+def context_prompts(ctx: AuditContext, rows: int, n_tokens: int) -> list[list[int]]:
+    """rows prompts of about n_tokens tokens each (after prompt formatting): a real task from
+    the suite at the end, so the answer is like the slices' (not a copy of the context),
+    preceded by other suite texts concatenated as a document to reach the length."""
+    texts = [p.prompt for p in ctx.suite]
+    groups = list(slices(ctx.suite).values())
+    by_slice = [g[i].prompt for i in range(max(map(len, groups))) for g in groups if i < len(g)]
+    sized = [(t, len(encode(ctx.tokenizer, t, ctx.chat))) for t in by_slice]  # slices round-robin
+    tasks = [ts for ts in sized if ts[1] <= 0.6 * n_tokens] or [min(sized, key=lambda ts: ts[1])]
+    out = []
+    for r in range(rows):
+        task, task_len = tasks[r % len(tasks)]
+        budget = n_tokens - task_len - 2  # room for the filler and its separator
+        filler: list[int] = []
+        j = r + 1
+        while len(filler) < budget:
+            filler += list(ctx.tokenizer(texts[j % len(texts)] + "\n\n")["input_ids"])
+            j += 1
+        text = (ctx.decode(filler[:budget]) + "\n\n" + task) if budget > 0 else task
+        out.append(encode(ctx.tokenizer, text, ctx.chat))
+    return out
+
+
+def measure_point(ctx: AuditContext, batch: int, prompts: list[list[int]]) -> dict:
+    sizes, k = ctx.config.sizes, ctx.config.k
+    steps, rounds = sizes.load_steps, sizes.load_rounds
+    max_new = 2 * (k + 2) + rounds * steps * (k + 2) + 1  # warm-up + every phase, k+1 per spec step
+    policy = PhasedPolicy(k)
+    engine = ctx.engine(batch, max(map(len, prompts)) + max_new, policy=policy)
+    reqs = [Request(p, GenerationParams(max_new_tokens=max_new, ignore_eos=True)) for p in prompts]
+    for r in reqs:
+        engine.add(r)
+    timed = {False: [0, 0.0, 0], True: [0, 0.0, 0]}  # speculative? -> [tokens, seconds, steps]
+
+    def phase(speculative: bool, n_steps: int, record: bool) -> None:
+        policy.speculative = speculative
+        before = sum(len(r.output_ids) for r in reqs)
+        t0 = time.perf_counter()
+        for _ in range(n_steps):
+            engine.step()
+        dt = time.perf_counter() - t0
+        if len(engine.running) != batch:
+            raise RuntimeError("a load-sweep row finished while being measured")  # sizes bug
+        if record:
+            t = timed[speculative]
+            t[0] += sum(len(r.output_ids) for r in reqs) - before
+            t[1] += dt
+            t[2] += n_steps
+
+    with ctx.fault():
+        phase(False, 1, record=False)  # prefill + first plain step
+        phase(True, 1, record=False)  # warm the drafter
+        for rnd in range(rounds):
+            order = (False, True) if rnd % 2 == 0 else (True, False)  # ABBA
+            for speculative in order:
+                phase(speculative, steps, record=True)
+    for r in list(engine.running):
+        engine.cancel(r)
+    (tok_p, s_p, n_p), (tok_s, s_s, n_s) = timed[False], timed[True]
+    plain_tps, spec_tps = tok_p / s_p, tok_s / s_s
+    return {"batch": batch, "prompt_tokens": round(sum(map(len, prompts)) / len(prompts)),
+            "plain_tokens_per_s": plain_tps, "speculative_tokens_per_s": spec_tps,
+            # time between two tokens of one row: B / throughput
+            "plain_ms_per_token": 1000 * batch / plain_tps, "speculative_ms_per_token": 1000 * batch / spec_tps,
+            "mean_accepted_length": tok_s / (n_s * batch), "speedup": spec_tps / plain_tps}
+
+
+def crossover(points: list[dict]) -> int | None:
+    """Smallest batch size from which speculation no longer pays (speedup < 1 there and at
+    every larger measured size); None when it pays at the largest measured size."""
+    points = sorted(points, key=lambda p: p["batch"])
+    cross = None
+    for p in reversed(points):
+        if p["speedup"] >= 1:
+            break
+        cross = p["batch"]
+    return cross
+
+
+def load_check(ctx: AuditContext) -> CheckResult:
+    sizes = ctx.config.sizes
+    batches = sorted(set(ctx.config.batch_sizes))
+    plan = [("short", sizes.short_context, b) for b in batches]
+    plan += [("long", sizes.long_context, b) for b in batches
+             if sizes.long_max_batch is None or b <= sizes.long_max_batch]
+    points: dict[str, list[dict]] = {"short": [], "long": []}
+    with ctx.progress.stage("load sweep", len(plan)) as bar:
+        for name, n_tokens, b in plan:
+            points[name].append(measure_point(ctx, b, context_prompts(ctx, b, n_tokens)))
+            bar.advance()
+    cross = {name: crossover(pts) for name, pts in points.items() if pts}
+    words = []
+    for name, c in cross.items():
+        if c is None:
+            words.append(f"{name} context: speculation pays up to b={points[name][-1]['batch']} (no crossover)")
+        elif c == points[name][0]["batch"]:
+            words.append(f"{name} context: speculation does not pay even at b={c}")
+        else:
+            words.append(f"{name} context: stops paying at b={c}")
+    figures = {"crossover_batch": cross, "contexts_tokens": {"short": sizes.short_context, "long": sizes.long_context},
+               "batch_sizes": batches, "long_context_batch_sizes": [b for n, _, b in plan if n == "long"],
+               "k": ctx.config.k, "steps_per_phase": sizes.load_steps, "rounds": sizes.load_rounds,
+               "method": "one engine per point; plain and speculative phases alternate (ABBA) on the "
+                         "same prefilled rows; fixed-length requests"}
+    return CheckResult("load", True, "; ".join(words), figures, {"points": points}, informational=True)

@@ -1,0 +1,126 @@
+"""The audit can fail: each fault of engine/faults.py, and the typical (lossy) rule, make a
+whole audit (tiny random models, tests/audit_tiny.py) FAIL with the right check named in
+report.json; the same audit without a fault PASSES."""
+
+import inspect
+import json
+
+import pytest
+
+from tests.audit_tiny import one_thread, tiny_audit, tiny_models
+from verispec.audit.report import write_reports
+from verispec.engine.faults import FAULTS
+
+# the check that must catch each fault (others may fail too)
+CAUGHT_BY = {
+    "rollback-off-by-one": "equivalence",
+    "positions-not-realigned": "equivalence",
+    "residual-not-normalised": "distribution",  # only visible when sampling (temperature > 0)
+    "draft-no-catchup": "drafter-consistency",  # output stays exact; only the proposals go stale
+    "row-leak": "equivalence",
+}
+CHECKS = ["lossy-rule", "equivalence", "distribution", "drafter-consistency", "corruption", "slices",
+          "load", "record"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_models()
+
+
+def _report(result, tmp_path) -> dict:
+    paths = write_reports(result.to_dict(), tmp_path)
+    return json.loads(paths["json"].read_text())
+
+
+def test_every_fault_has_a_test():
+    assert set(CAUGHT_BY) == set(FAULTS)
+
+
+def test_audit_passes_without_fault(models, tmp_path):
+    result = tiny_audit(models)
+    report = _report(result, tmp_path)
+    assert report["verdict"] == "pass", [c["summary"] for c in report["checks"] if not c["passed"]]
+    assert [c["name"] for c in report["checks"]] == CHECKS
+    eq = next(c for c in report["checks"] if c["name"] == "equivalence")
+    assert eq["figures"]["min_exact_match"] == 1.0
+    cons = next(c for c in report["checks"] if c["name"] == "drafter-consistency")
+    assert cons["figures"]["positions_compared"] > 100 and cons["figures"]["mismatches"] == 0
+    dist = next(c for c in report["checks"] if c["name"] == "distribution")
+    assert dist["figures"]["n"] >= 2000
+    assert 0.05 < dist["figures"]["acceptance_rate"] < 0.95  # drafts are accepted and rejected
+
+
+def test_typical_lossy_rule_fails(models, tmp_path):
+    report = _report(tiny_audit(models, rule="typical-lossy"), tmp_path)
+    assert report["verdict"] == "fail"
+    lossy = report["checks"][0]
+    assert lossy["name"] == "lossy-rule" and not lossy["passed"]  # flagged before any statistics
+    assert lossy["figures"] == {"rule": "typical-lossy", "lossy": True, "lossy_rules": ["typical-lossy"]}
+    assert "lossy-rule" in report["failed_checks"]
+
+
+@pytest.mark.parametrize("fault", sorted(CAUGHT_BY))
+def test_fault_fails_the_audit(models, tmp_path, fault):
+    result = tiny_audit(models, fault=fault)
+    report = _report(result, tmp_path)
+    assert report["verdict"] == "fail"
+    assert CAUGHT_BY[fault] in report["failed_checks"], report["failed_checks"]
+    assert report["record"]["inject_fault"] == fault
+    check = next(c for c in report["checks"] if c["name"] == CAUGHT_BY[fault])
+    assert check["passed"] is False and check["summary"]
+    assert _seams() == SEAMS  # the fault was lifted when the audit ended
+
+
+def _seams():
+    """The members engine/faults.py patches, as found now."""
+    from verispec.drafters import draft_model
+    from verispec.engine import core
+    from verispec.models import llama
+    from verispec.verify import rules
+    return [inspect.getattr_static(core.Engine, "_committed_length"),
+            inspect.getattr_static(core.Engine, "_pending_tokens"), llama._positions,
+            rules.sample_from_probs, inspect.getattr_static(draft_model.DraftModelDrafter, "_unseen")]
+
+
+SEAMS = _seams()
+
+
+@pytest.mark.parametrize("kind", ["lookup", "layerskip", "draft-model"])
+def test_consistency_oracle_agrees_with_each_healthy_drafter(models, kind):
+    """The drafter-consistency oracle reproduces every drafter's proposals from the final
+    sequences (so the check only fails on stale drafter state), at batch 1 and ragged batch 6."""
+    import torch
+
+    from tests.audit_tiny import V
+    from verispec.audit.consistency import check_request, oracle_for
+    from verispec.drafters.draft_model import DraftModelDrafter
+    from verispec.drafters.layerskip import LayerSkipDrafter
+    from verispec.drafters.lookup import PromptLookupDrafter
+    from verispec.engine import Engine, EngineConfig, GenerationParams, Request
+    from verispec.policy import FixedK
+
+    target, draft = models
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, V, (int(n),), generator=g).tolist() for n in (4, 11, 19, 7, 30, 2)]
+    prompts[1] = (prompts[1][:4] * 5)[:11]  # repetitive: prompt lookup finds matches
+    for batch in (1, 6):
+        drafter = {"lookup": lambda: PromptLookupDrafter(3),
+                   "layerskip": lambda: LayerSkipDrafter(target, 2),
+                   "draft-model": lambda: DraftModelDrafter(draft, V, max_rows=batch, max_len=80)}[kind]()
+        eng = Engine(target, drafter, FixedK(3), EngineConfig(max_batch=batch, max_len=64))
+        reqs = [Request(p, GenerationParams(max_new_tokens=9 + 3 * i)) for i, p in enumerate(prompts)]
+        eng.run(reqs)
+        oracle = oracle_for(drafter, target)
+        compared = 0
+        for r in reqs:
+            c, _, bad = check_request(oracle, r, 3, {})
+            assert bad == [], (kind, batch, bad[:3])
+            compared += c
+        assert compared > 20

@@ -1,0 +1,32 @@
+"""The real `verispec audit --quick` on the default configuration (SmolLM2-135M, prompt
+lookup): it passes and writes the three report files. Slow: about 3 minutes on 2 cores."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def test_quick_audit_passes_on_defaults(tmp_path):
+    out = tmp_path / "audit"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "verispec.cli", "audit", "--quick", "--no-progress",
+                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name in ("report.json", "report.md", "report.html"):
+        assert (out / name).is_file(), name
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"] == "pass" and report["failed_checks"] == []
+    names = [c["name"] for c in report["checks"]]
+    assert names == ["lossy-rule", "equivalence", "distribution", "drafter-consistency", "corruption",
+                     "slices", "load", "record"]
+    dist = next(c for c in report["checks"] if c["name"] == "distribution")
+    assert dist["figures"]["n"] >= 2000
+    assert report["record"]["target"]["sha256"]  # the audited weights are identified
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 4

@@ -1,0 +1,60 @@
+"""`verispec audit` argument handling: config built at the edge, usage errors exit 2."""
+
+import argparse
+
+import pytest
+
+from verispec.audit.cli import config_from_args
+from verispec.audit.context import AuditSizes
+from verispec.cli import build_parser, main
+
+
+def _args(*argv):
+    return build_parser().parse_args(["audit", *argv])
+
+
+def test_defaults():
+    cfg = config_from_args(_args())
+    assert cfg.target == "smollm2-135m" and cfg.draft == "lookup" and cfg.k == 4
+    assert cfg.rule == "rejection" and cfg.suite == "default" and cfg.temperature == 1.0
+    assert cfg.batch_sizes == (1, 4, 16, 32) and cfg.sizes == AuditSizes.full()
+    assert cfg.inject_fault is None
+
+
+def test_quick_and_options():
+    cfg = config_from_args(_args("--quick", "--batch-sizes", "2,8", "--k", "3", "--seed", "7",
+                                 "--temperature", "0.7", "--verify", "typical-lossy",
+                                 "--inject-fault", "row-leak", "--draft", "layerskip:20"))
+    assert cfg.sizes == AuditSizes.quick() and cfg.batch_sizes == (2, 8)
+    assert cfg.greedy_batch_sizes == (1, 2, 8)  # batch 1 always: the slices compare it with plain
+    assert (cfg.k, cfg.seed, cfg.temperature, cfg.rule) == (3, 7, 0.7, "typical-lossy")
+    assert cfg.inject_fault == "row-leak" and cfg.draft == "layerskip:20"
+    assert config_from_args(_args("--quick")).batch_sizes == (1, 4, 16)
+
+
+def test_inject_fault_is_hidden_from_help():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert "--inject-fault" not in sub.choices["audit"].format_help()
+    assert "--quick" in sub.choices["audit"].format_help()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--batch-sizes", "0,4"], ["--batch-sizes", "a"], ["--k", "0"], ["--temperature", "0"],
+    ["--inject-fault", "nope"], ["--verify", "nope"], ["--prompt-format", "xml"], ["--threads", "0"],
+])
+def test_usage_errors_exit_2(argv):
+    with pytest.raises(SystemExit) as e:
+        main(["audit", *argv])
+    assert e.value.code == 2
+
+
+def test_missing_suite_file_exits_2(tmp_path, capsys):
+    assert main(["audit", "--suite", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path)]) == 2
+    assert "nope.jsonl" in capsys.readouterr().err
+
+
+def test_malformed_suite_file_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    assert main(["audit", "--suite", str(bad), "--out", str(tmp_path)]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err

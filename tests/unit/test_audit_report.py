@@ -1,0 +1,72 @@
+"""Report files from a tiny audit: report.json (verdict, checks with name/passed/figures),
+report.md, and a self-contained report.html with the four plots as embedded PNGs."""
+
+import base64
+import json
+import re
+
+import pytest
+
+from tests.audit_tiny import one_thread, tiny_audit, tiny_models
+from verispec.audit.report import PLOTS, render_html, render_markdown, write_reports
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def report():
+    with one_thread():
+        return tiny_audit(tiny_models()).to_dict()
+
+
+def test_json_document(report, tmp_path):
+    paths = write_reports(report, tmp_path)
+    assert {p.name for p in paths.values()} == {"report.json", "report.md", "report.html"}
+    doc = json.loads(paths["json"].read_text())
+    assert doc["verdict"] in ("pass", "fail") and doc["failed_checks"] == []
+    for c in doc["checks"]:
+        assert {"name", "passed", "figures", "details", "summary", "elapsed_s"} <= set(c)
+        assert isinstance(c["passed"], bool)
+    rec = doc["record"]
+    for key in ("target", "drafter", "rule", "engine", "seed", "packages", "machine", "retest_triggers"):
+        assert key in rec
+    assert {"torch", "transformers", "numpy", "verispec"} <= set(rec["packages"])
+    assert all(t["trigger"] for t in rec["retest_triggers"])
+
+
+def test_markdown_has_headline_and_a_table_per_check(report):
+    md = render_markdown(report)
+    assert md.startswith("# verispec audit: PASS")
+    for title in ("Equivalence per batch size", "Distribution", "Drafter consistency", "Corruption signatures",
+                  "Acceptance and speed per slice", "Load sweep", "Re-test triggers"):
+        assert f"## {title}" in md, title
+
+
+def test_html_is_self_contained_with_four_plots(report):
+    page = render_html(report)
+    imgs = re.findall(r"<img id='plot-(\w+)'[^>]*src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
+    assert [name for name, _ in imgs] == list(PLOTS)
+    for _, b64 in imgs:
+        png = base64.b64decode(b64)
+        assert png.startswith(PNG_MAGIC) and len(png) > 5000
+    assert "http://" not in page and "https://" not in page  # nothing fetched from elsewhere
+
+
+def test_failed_report_names_the_failing_check(report):
+    failed = json.loads(json.dumps(report))
+    failed["checks"][1]["passed"] = False
+    failed["verdict"], failed["failed_checks"] = "fail", [failed["checks"][1]["name"]]
+    assert "FAIL" in render_markdown(failed).splitlines()[0]
+    assert "verdict fail" in render_html(failed)
+
+
+def test_a_check_that_raised_still_renders(report, tmp_path):
+    """A crash in the engine under audit fails its check; the report still renders."""
+    broken = json.loads(json.dumps(report))
+    dist = next(c for c in broken["checks"] if c["name"] == "distribution")
+    dist.update(passed=False, summary="raised IndexError: index 107 is out of bounds",
+                figures={"error": "IndexError: index 107 is out of bounds"}, details={"traceback": "..."})
+    broken["verdict"], broken["failed_checks"] = "fail", ["distribution"]
+    paths = write_reports(broken, tmp_path)
+    assert "IndexError" in paths["md"].read_text()
+    assert paths["html"].read_text().count("data:image/png;base64,") == 4  # an empty PIT panel
