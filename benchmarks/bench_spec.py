@@ -54,7 +54,7 @@ def step_costs(target, draft, ctx_len: int, ks, repeats=3):
     target.forward(ctx, tc, tr)
     draft.forward(ctx, dc, dr)
     cost = {}
-    for n in sorted(set([1] + [k + 1 for k in ks])):
+    for n in range(1, max(ks) + 2):
         ts = []
         for _ in range(repeats):
             t = time.perf_counter()
@@ -71,14 +71,14 @@ def step_costs(target, draft, ctx_len: int, ks, repeats=3):
     return cost, statistics.median(ds)
 
 
-def ideal_speedup(reqs, k, cost, t_draft, t_lookup=0.0):
+def ideal_speedup(reqs, cost, t_draft, t_lookup=0.0):
     """Tokens per step over the cost of a step, relative to one plain step, from the
     measured acceptance (per step) and measured forward costs: no bookkeeping counted."""
     steps = sum(r.stats.target_passes for r in reqs)
     tokens = sum(r.stats.generated_tokens for r in reqs)
     drafted = sum(r.stats.drafted for r in reqs)
-    t_steps = sum(cost[min(kb, k) + 1] for r in reqs for kb in r.stats.k_chosen) + drafted * t_draft \
-        + steps * t_lookup
+    t_steps = sum(cost[len(drafts) + 1] for r in reqs for _, drafts, _, _ in r.stats.trace) \
+        + drafted * t_draft + steps * t_lookup
     return tokens * cost[1] / t_steps
 
 
@@ -126,7 +126,7 @@ def main():
             outs[name] = reqs[0].output_ids
             res[p.slice][name].append((len(reqs[0].output_ids), dt))
             if name != "plain":
-                ideal[p.slice][name].append(ideal_speedup(reqs, k, cost, t_draft if name == "draft" else 0.0))
+                ideal[p.slice][name].append(ideal_speedup(reqs, cost, t_draft if name == "draft" else 0.0))
                 res[p.slice][name + "_stats"].append(reqs[0].stats.to_dict())
         if hf is not None:
             for name, kw in {"hf-plain": {}, "hf-assisted": {"assistant_model": hf_d},

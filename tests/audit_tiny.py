@@ -58,9 +58,11 @@ def tiny_models():
 
 
 def tiny_audit(models, *, rule: str = "rejection", fault: str | None = None, seed: int = 0,
-               sizes: AuditSizes = TINY_SIZES, batch_sizes=(1, 4, 8)):
+               sizes: AuditSizes = TINY_SIZES, batch_sizes=(1, 4, 8), policy: str = "fixed"):
+    """Fixed k by default: the faults live in the speculative path, which must run."""
     target, draft = models
-    cfg = AuditConfig(target="tiny-llama", draft="tiny-draft-model", k=3, rule=rule, batch_sizes=batch_sizes,
+    cfg = AuditConfig(target="tiny-llama", draft="tiny-draft-model", k=3, policy=policy, rule=rule,
+                      batch_sizes=batch_sizes,
                       sizes=sizes, seed=seed, inject_fault=fault)
     return run_audit(cfg, target=LoadedModel(target, CharTokenizer(), None),
                      drafter_factory=lambda rows, max_len: DraftModelDrafter(draft, V, max_rows=rows,

@@ -57,6 +57,15 @@ def test_audit_passes_without_fault(models, tmp_path):
     assert 0.05 < dist["figures"]["acceptance_rate"] < 0.95  # drafts are accepted and rejected
 
 
+def test_audit_with_adaptive_policy_passes_and_reports_choices(models, tmp_path):
+    report = _report(tiny_audit(models, policy="adaptive"), tmp_path)
+    assert report["verdict"] == "pass", [c["summary"] for c in report["checks"] if not c["passed"]]
+    sl = next(c for c in report["checks"] if c["name"] == "slices")
+    assert sl["figures"]["policy"] == "adaptive"
+    assert sl["figures"]["pooled_mean_k_chosen"] is not None
+    assert all("mean_k_chosen" in row for row in sl["details"]["slices"])
+
+
 def test_typical_lossy_rule_fails(models, tmp_path):
     report = _report(tiny_audit(models, rule="typical-lossy"), tmp_path)
     assert report["verdict"] == "fail"

@@ -50,7 +50,13 @@ def add_audit_parser(sub) -> None:
     a.add_argument("--target", default="smollm2-135m", help="preset, HF directory, GGUF file or hub id")
     a.add_argument("--draft", default="lookup",
                    help="lookup[:N] | layerskip:N | a draft model (preset, path, hub id); default lookup")
-    a.add_argument("--k", type=_positive_int, default=4, help="draft tokens per step (default 4)")
+    a.add_argument("--k", type=_positive_int, default=4,
+                   help="draft tokens per step (the most, with the adaptive policy; default 4)")
+    from ..server.endpoint_audit import add_endpoint_arguments
+    add_endpoint_arguments(a)
+    a.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed"],
+                   help="adaptive (default): k per row and step from measured costs and acceptance; "
+                        "fixed: always k")
     a.add_argument("--verify", default="rejection", choices=list(RULES),
                    help="verification rule; typical-lossy is lossy and fails the audit")
     a.add_argument("--suite", default="default", help='"default" or a JSONL file (Spec-Bench format accepted)')
@@ -99,7 +105,7 @@ def pick_threads(model, steps: int = 6) -> tuple[int, dict]:
 def config_from_args(args):
     from .context import AuditConfig, AuditSizes
     mode = "quick" if args.quick else "full"
-    return AuditConfig(target=args.target, draft=args.draft, k=args.k, rule=args.verify, suite=args.suite,
+    return AuditConfig(target=args.target, draft=args.draft, k=args.k, policy=args.policy, rule=args.verify, suite=args.suite,
                        batch_sizes=args.batch_sizes or DEFAULT_BATCH_SIZES[mode],
                        sizes=AuditSizes.quick() if args.quick else AuditSizes.full(),
                        seed=args.seed, temperature=args.temperature, prompt_format=args.prompt_format,
@@ -107,6 +113,9 @@ def config_from_args(args):
 
 
 def cmd_audit(args) -> int:
+    if args.endpoint:  # audit any OpenAI-compatible server instead of an in-process engine
+        from ..server.endpoint_audit import cmd_endpoint_audit
+        return cmd_endpoint_audit(args)
     import torch
 
     from ..cli import UsageError

@@ -60,8 +60,8 @@ def check_request(oracle: Oracle, req, k: int, logits_cache: dict) -> tuple[int,
             logits_cache[key] = (lg, lg.argmax(-1).tolist())  # sync: one transfer per sequence
         logits, best = logits_cache[key]
     compared, ties, bad = 0, 0, []
-    for step, (n0, drafted, acc) in enumerate(req.stats.trace):
-        k_eff = max(0, min(k, req.params.max_new_tokens - (n0 - P) - 1))  # as the engine caps k
+    for step, (n0, drafted, acc, asked) in enumerate(req.stats.trace):
+        k_eff = min(asked, k)  # what the engine asked the drafter for (policy choice, capped)
         if oracle.kind == "lookup":
             expected = lookup_continuation(full[:n0], k_eff, oracle.max_ngram) if k_eff else []
             if len(drafted) != len(expected):

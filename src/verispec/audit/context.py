@@ -10,6 +10,7 @@ from typing import Any, Callable
 from ..engine import Engine, EngineConfig, GenerationParams, Request
 from ..engine.faults import FAULTS, inject
 from ..policy import FixedK
+from ..policy.adaptive import AdaptivePolicy, measure_costs
 from ..sampling import SamplingParams
 from ..verify import RULES
 from .suite import SuitePrompt, slices
@@ -57,7 +58,8 @@ class AuditSizes:
 class AuditConfig:
     target: str = "smollm2-135m"  # preset, directory, GGUF file or hub id
     draft: str = "lookup"  # lookup[:N] | layerskip:N | a draft model
-    k: int = 4  # drafts per step (FixedK)
+    k: int = 4  # drafts per step (FixedK), or the most the adaptive policy may draft
+    policy: str = "adaptive"  # adaptive | fixed
     rule: str = "rejection"  # verification rule for sampled requests
     suite: str = "default"  # "default" or a JSONL path
     batch_sizes: tuple[int, ...] = (1, 4, 16, 32)
@@ -70,6 +72,8 @@ class AuditConfig:
     def __post_init__(self):
         if self.rule not in RULES:
             raise ValueError(f"unknown verification rule {self.rule!r}; valid: {', '.join(RULES)}")
+        if self.policy not in ("adaptive", "fixed"):
+            raise ValueError(f"policy must be adaptive or fixed, got {self.policy!r}")
         if self.k < 1:
             raise ValueError(f"k must be >= 1 (the audit needs drafts to audit), got {self.k}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -123,6 +127,7 @@ class AuditContext:
     chat: bool
     stops: tuple[int, ...]
     progress: Any  # progress.Progress
+    costs: dict = field(default_factory=dict)  # batch size -> measured CostModel (adaptive policy)
 
     def fault(self):
         """The system under audit runs inside this; references and teacher forcing do not."""
@@ -133,7 +138,12 @@ class AuditContext:
                rule: str | None = None) -> Engine:
         k = self.config.k
         drafter = self.drafter_factory(batch, max_len + k + 2) if speculative else None
-        policy = policy if policy is not None else FixedK(k if drafter is not None else 0)
+        if policy is None:
+            policy = FixedK(k if drafter is not None else 0)
+            if drafter is not None and self.config.policy == "adaptive":
+                if batch not in self.costs:  # timed once per batch size
+                    self.costs[batch] = measure_costs(self.model, drafter, batch, k)
+                policy = AdaptivePolicy(self.costs[batch], max_k=k)
         return Engine(self.model, drafter, policy,
                       EngineConfig(max_batch=batch, max_len=max_len, rule=rule or self.config.rule))
 

@@ -44,7 +44,7 @@ def build_record(ctx: AuditContext, target_files, draft_files, started: str) -> 
     cfg = ctx.config
     probe = ctx.drafter_factory(1, 8)
     drafter = {"spec": cfg.draft, "name": getattr(probe, "name", type(probe).__name__), "k": cfg.k,
-               "policy": f"FixedK({cfg.k})", "model_files": _files(draft_files)}
+               "policy": f"FixedK({cfg.k})" if cfg.policy == "fixed" else f"adaptive (k <= {cfg.k})", "model_files": _files(draft_files)}
     greedy_len = max(map(len, ctx.prompt_ids)) + cfg.sizes.max_new_tokens
     rec = {
         "started_at": started,

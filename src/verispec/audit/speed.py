@@ -23,7 +23,10 @@ def _aggregate(name: str, plain: list, spec: list, k: int) -> dict:
         per_pos.append(a / d if d else None)
     plain_tps = tok_p / t_p if t_p else None
     spec_tps = tok_s / t_s if t_s else None
+    ks = [kb for r in spec for kb in r.stats.k_chosen]
     return {"slice": name, "prompts": len(spec), "tokens": tok_s,
+            "mean_k_chosen": sum(ks) / len(ks) if ks else None,
+            "steps_without_drafts": sum(kb == 0 for kb in ks) / len(ks) if ks else None,
             "mean_accepted_length": tok_s / passes if passes else None,
             "acceptance_rate": accepted / drafted if drafted else None,
             "acceptance_per_position": per_pos,
@@ -42,7 +45,9 @@ def slices_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
     ranked = [r for r in rows if r["speedup"] is not None]
     best = max(ranked, key=lambda r: r["speedup"]) if ranked else None
     worst = min(ranked, key=lambda r: r["speedup"]) if ranked else None
-    summary = f"pooled speedup {pooled['speedup']:.2f}x, {pooled['mean_accepted_length']:.2f} tokens per target pass"
+    summary = (f"{ctx.config.policy} policy: pooled speedup {pooled['speedup']:.2f}x, "
+               f"{pooled['mean_accepted_length']:.2f} tokens per target pass, "
+               f"mean k chosen {pooled['mean_k_chosen']:.2f}")
     if best and worst:
         summary += (f"; best {best['slice']} {best['speedup']:.2f}x, "
                     f"worst {worst['slice']} {worst['speedup']:.2f}x")
@@ -50,7 +55,8 @@ def slices_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
                "pooled_mean_accepted_length": pooled["mean_accepted_length"],
                "pooled_acceptance_rate": pooled["acceptance_rate"],
                "best_slice": best and best["slice"], "worst_slice": worst and worst["slice"],
-               "batch": 1, "k": k, "drafter": ctx.config.draft,
+               "batch": 1, "k": k, "policy": ctx.config.policy, "drafter": ctx.config.draft,
+               "pooled_mean_k_chosen": pooled["mean_k_chosen"],
                "max_new_tokens": ctx.config.sizes.max_new_tokens,
                "prompt_format": "chat template" if ctx.chat else "raw text",
                "timing": "end to end per request (prefill included), plain and speculative "

@@ -199,7 +199,7 @@ class Engine:
         for b, r in enumerate(reqs):
             emitted = out_l[b][:acc_l[b] + 1]
             r.stats.record_step(num_l[b], acc_l[b])
-            r.stats.trace.append((n0[b], drafts_l[b][:num_l[b]], acc_l[b]))
+            r.stats.trace.append((n0[b], drafts_l[b][:num_l[b]], acc_l[b], k[b]))
             reason = None
             for tok in emitted:
                 r.output_ids.append(tok)

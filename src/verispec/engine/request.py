@@ -36,9 +36,9 @@ class RequestStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     k_chosen: list[int] = field(default_factory=list)  # drafts per step, as the policy chose
-    # per step: (sequence length before the step, drafted tokens, accepted count); lets the
-    # audit recompute what a correct drafter would have proposed at each step
-    trace: list[tuple[int, list[int], int]] = field(default_factory=list)
+    # per step: (sequence length before the step, drafted tokens, accepted count, drafts the
+    # engine asked for); lets the audit recompute what a correct drafter would have proposed
+    trace: list[tuple[int, list[int], int, int]] = field(default_factory=list)
     time_s: float = 0.0  # wall time from admission to finish
 
     def record_step(self, k: int, accepted: int) -> None:
