@@ -16,10 +16,22 @@ def test_crossover():
 
 
 def test_phased_policy():
-    p = PhasedPolicy(4)
+    from verispec.policy import FixedK
+
+    class Recorder(FixedK):
+        seen = 0
+
+        def observe(self, requests, k, accepted):
+            self.seen += 1
+    inner = Recorder(4)
+    p = PhasedPolicy(inner)
     assert p.max_k == 4 and p.choose([0, 0]) == [0, 0]
+    p.observe([0, 0], [0, 0], [0, 0])
+    assert inner.seen == 0  # plain phases are not the inner policy's business
     p.speculative = True
     assert p.choose([0, 0, 0]) == [4, 4, 4]
+    p.observe([0], [4], [2])
+    assert inner.seen == 1
 
 
 def test_context_prompts_reach_the_length_and_end_with_a_task():

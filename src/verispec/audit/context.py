@@ -135,7 +135,8 @@ class AuditContext:
         return inject(name) if name else contextlib.nullcontext()
 
     def engine(self, batch: int, max_len: int, *, speculative: bool = True, policy=None,
-               rule: str | None = None) -> Engine:
+               rule: str | None = None, wrap=None) -> Engine:
+        """An engine under audit; `wrap(policy)` may wrap the configured policy (load sweep)."""
         k = self.config.k
         drafter = self.drafter_factory(batch, max_len + k + 2) if speculative else None
         if policy is None:
@@ -144,6 +145,8 @@ class AuditContext:
                 if batch not in self.costs:  # timed once per batch size
                     self.costs[batch] = measure_costs(self.model, drafter, batch, k)
                 policy = AdaptivePolicy(self.costs[batch], max_k=k)
+        if wrap is not None:
+            policy = wrap(policy)
         return Engine(self.model, drafter, policy,
                       EngineConfig(max_batch=batch, max_len=max_len, rule=rule or self.config.rule))
 

@@ -19,18 +19,20 @@ from .suite import slices
 
 
 class PhasedPolicy:
-    """Policy (see policy/): k drafts per row in the speculative phase, 0 in the plain one.
-    The sweep flips `speculative` between engine steps."""
+    """Policy (see policy/): the audited policy (fixed k or adaptive) in the speculative
+    phase, 0 drafts in the plain one. The sweep flips `speculative` between engine steps."""
 
-    def __init__(self, k: int):
-        self.max_k = k
+    def __init__(self, inner):
+        self.inner = inner
+        self.max_k = inner.max_k
         self.speculative = False
 
     def choose(self, requests):
-        return [self.max_k if self.speculative else 0] * len(requests)
+        return self.inner.choose(requests) if self.speculative else [0] * len(requests)
 
     def observe(self, requests, k, accepted):
-        pass
+        if self.speculative:
+            self.inner.observe(requests, k, accepted)
 
 
 def context_prompts(ctx: AuditContext, rows: int, n_tokens: int) -> list[list[int]]:
@@ -60,8 +62,8 @@ def measure_point(ctx: AuditContext, batch: int, prompts: list[list[int]]) -> di
     sizes, k = ctx.config.sizes, ctx.config.k
     steps, rounds = sizes.load_steps, sizes.load_rounds
     max_new = 2 * (k + 2) + rounds * steps * (k + 2) + 1  # warm-up + every phase, k+1 per spec step
-    policy = PhasedPolicy(k)
-    engine = ctx.engine(batch, max(map(len, prompts)) + max_new, policy=policy)
+    engine = ctx.engine(batch, max(map(len, prompts)) + max_new, wrap=PhasedPolicy)
+    policy = engine.policy
     reqs = [Request(p, GenerationParams(max_new_tokens=max_new, ignore_eos=True)) for p in prompts]
     for r in reqs:
         engine.add(r)
