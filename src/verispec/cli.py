@@ -92,7 +92,7 @@ def cmd_generate(args) -> int:
               file=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, progress=not args.json)
+    loaded = load_model(args.model, progress=not args.json, batch_invariant=args.batch_invariant)
     tok, target = loaded.tokenizer, loaded.model
     sampling = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                seed=None if args.seed is None else args.seed + i)
@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     g.add_argument("--threads", type=_positive_int, default=None)
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="bitwise batch-invariant numerics: output independent of batch and speculation")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     g.set_defaults(func=cmd_generate)
 

@@ -37,15 +37,17 @@ class LoadedModel:
     files: Any  # loading.ModelFiles: where the weights came from (hashes for the audit)
 
 
-def load_model(spec: str, *, progress: bool = True) -> LoadedModel:
-    """Resolve a preset name, local directory, GGUF file or hub id and load it natively."""
+def load_model(spec: str, *, progress: bool = True, batch_invariant: bool = False) -> LoadedModel:
+    """Resolve a preset name, local directory, GGUF file or hub id and load it natively.
+
+    batch_invariant: bitwise batch-invariant numerics (LlamaModel's batch_invariant)."""
     from transformers import AutoTokenizer
 
     from .llama import LlamaModel
     from .loading import resolve_model
 
     files = resolve_model(spec, progress=progress)
-    model = LlamaModel.from_dir(files.path)
+    model = LlamaModel.from_dir(files.path, batch_invariant=batch_invariant)
     tokenizer = AutoTokenizer.from_pretrained(str(files.path))
     return LoadedModel(model=model, tokenizer=tokenizer, files=files)
 

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from .attention import (NotBatchInvariantError, invariant_attention, invariant_kernel, invariant_silu,
+                        sdpa_attention)
 from .cache import CacheFullError, KVCache
 from .config import ModelConfig
 from .fastlinear import PackedLinear
@@ -53,9 +55,14 @@ class _Layer:
 
 
 class LlamaModel:
-    """Implements the CausalLM protocol (see models/__init__.py)."""
+    """Implements the CausalLM protocol (see models/__init__.py).
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+    batch_invariant=True: a row's logits are bitwise the same whatever the batch, the
+    other rows and the number of positions per pass (see models/attention.py).
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *,
+                 batch_invariant: bool = False):
         self.config = cfg
         w = {k.removeprefix("model.") if k.startswith("model.") else k: v.float()
              for k, v in weights.items()}
@@ -72,9 +79,20 @@ class LlamaModel:
         d = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         self.scale = 1.0 / math.sqrt(d)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            linears = [self.lm_head] + [lin for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down)]
+            bad = sorted({lin.backend for lin in linears if not lin.batch_invariant})
+            if bad:
+                raise NotBatchInvariantError(
+                    f"batch-invariant mode needs the native linear kernel, but linear backend {bad} is "
+                    "not batch-invariant (no C compiler? VERISPEC_LINEAR=torch?)")
+            invariant_kernel()  # the attention's kernel: raises the same way
+        self.attention = invariant_attention if batch_invariant else sdpa_attention
+        self.act = invariant_silu if batch_invariant else F.silu
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "LlamaModel":
+    def from_dir(cls, path: str | Path, *, batch_invariant: bool = False) -> "LlamaModel":
         path = Path(path)
         cfg = ModelConfig.from_dir(path)
         weights: dict[str, torch.Tensor] = {}
@@ -83,7 +101,7 @@ class LlamaModel:
             raise FileNotFoundError(f"no *.safetensors in {path}")
         for f in files:
             weights.update(load_file(str(f)))
-        return cls(cfg, weights)
+        return cls(cfg, weights, batch_invariant=batch_invariant)
 
     def new_cache(self, max_rows: int, max_len: int) -> KVCache:
         c = self.config
@@ -141,12 +159,11 @@ class LlamaModel:
                 keys, vals = kc[r0:r0 + B, :, :S], vc[r0:r0 + B, :, :S]  # views
             else:
                 keys, vals = kc[rows_t, :, :S], vc[rows_t, :, :S]  # gathered copies
-            att = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask,
-                                                 scale=self.scale, enable_gqa=H != Hkv)
+            att = self.attention(q, keys, vals, mask, self.scale)
             x = x + layer.o(att.transpose(1, 2).reshape(B, T, H * D))
             h = _rms_norm(x, layer.ln_mlp, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + layer.down(self.act(gate) * up)
         cache.lengths[rows_t] = start + num_new_t
         if last_only:
             x = x[torch.arange(B), (num_new_t - 1).clamp(min=0)]  # [B,E]
