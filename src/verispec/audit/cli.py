@@ -54,6 +54,9 @@ def add_audit_parser(sub) -> None:
                    help="draft tokens per step (the most, with the adaptive policy; default 4)")
     from ..server.endpoint_audit import add_endpoint_arguments
     add_endpoint_arguments(a)
+    a.add_argument("--batch-invariant", action="store_true",
+                   help="run the target in batch-invariant mode: greedy output must then match "
+                        "plain decoding bitwise at every batch size")
     a.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed"],
                    help="adaptive (default): k per row and step from measured costs and acceptance; "
                         "fixed: always k")
@@ -105,7 +108,8 @@ def pick_threads(model, steps: int = 6) -> tuple[int, dict]:
 def config_from_args(args):
     from .context import AuditConfig, AuditSizes
     mode = "quick" if args.quick else "full"
-    return AuditConfig(target=args.target, draft=args.draft, k=args.k, policy=args.policy, rule=args.verify, suite=args.suite,
+    return AuditConfig(target=args.target, draft=args.draft, k=args.k, policy=args.policy,
+                       batch_invariant=args.batch_invariant, rule=args.verify, suite=args.suite,
                        batch_sizes=args.batch_sizes or DEFAULT_BATCH_SIZES[mode],
                        sizes=AuditSizes.quick() if args.quick else AuditSizes.full(),
                        seed=args.seed, temperature=args.temperature, prompt_format=args.prompt_format,
@@ -139,7 +143,7 @@ def cmd_audit(args) -> int:
         suite = load_suite(config.suite)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    target = load_model(config.target, progress=not args.no_progress)
+    target = load_model(config.target, progress=not args.no_progress, batch_invariant=config.batch_invariant)
     try:
         factory, draft_files = drafter_factory_from_spec(config.draft, target.model, target.tokenizer)
     except ValueError as e:

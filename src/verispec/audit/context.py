@@ -60,6 +60,7 @@ class AuditConfig:
     draft: str = "lookup"  # lookup[:N] | layerskip:N | a draft model
     k: int = 4  # drafts per step (FixedK), or the most the adaptive policy may draft
     policy: str = "adaptive"  # adaptive | fixed
+    batch_invariant: bool = False  # the target runs in batch-invariant mode (models/attention.py)
     rule: str = "rejection"  # verification rule for sampled requests
     suite: str = "default"  # "default" or a JSONL path
     batch_sizes: tuple[int, ...] = (1, 4, 16, 32)

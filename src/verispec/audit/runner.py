@@ -81,7 +81,7 @@ def run_audit(config: AuditConfig, *, target=None, drafter_factory: DrafterFacto
     progress = progress or NullProgress()
     if target is None:
         from ..models import load_model
-        target = load_model(config.target, progress=False)
+        target = load_model(config.target, progress=False, batch_invariant=config.batch_invariant)
     model, tokenizer = target.model, target.tokenizer
     if drafter_factory is None:
         drafter_factory, draft_files = drafter_factory_from_spec(config.draft, model, tokenizer)
@@ -209,7 +209,9 @@ def equivalence_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
             rate = counts["identical"] / n
             # rate >= EXACT_MATCH_MIN, i.e. misses <= floor(5% of n) - but at least one near-tie
             # is tolerated, or 16 prompts would turn one benign numerical flip into a failure
-            ok = counts["divergence"] == 0 and n - counts["identical"] <= near_tie_allowance(n)
+            # batch-invariant mode promises bitwise identity: no near-tie is excused there
+            allowance = 0 if ctx.config.batch_invariant else near_tie_allowance(n)
+            ok = counts["divergence"] == 0 and n - counts["identical"] <= allowance
             per_batch.append({"batch": b, "rows_decoded_together": min(b, n), "prompts": n,
                               "exact_match_rate": rate, **counts, "passed": ok})
             if counts["divergence"]:
