@@ -225,10 +225,11 @@ def main(argv=None) -> int:
         return 2
     except Exception as e:  # user-facing errors from lower layers: a message, not a traceback
         from .drafters.draft_model import TokenizerMismatchError
+        from .models.attention import NotBatchInvariantError
         from .models.config import UnsupportedModelError
         from .models.loading import ModelNotFoundError
         if isinstance(e, (UnsupportedModelError, ModelNotFoundError, TokenizerMismatchError,
-                          FileNotFoundError)):
+                          NotBatchInvariantError, FileNotFoundError)):
             print(f"verispec: error: {e}", file=sys.stderr)
             return 2
         raise

@@ -14,21 +14,26 @@ the bits do not depend on B, T, S, the other rows or their lengths. Its reductio
 are the fixed-order FMA chains of the fastlinear kernel (models/csrc/fastlinear.c),
 which PackedLinear's batch invariance already rests on:
 
-    score[j,n] = fma-chain over d = 0..D-1 of k[j,d] * q[n,d]      (then * scale)
+    score[j,n] = fma-chain over d = 0..D-1 of k[j,d] * (q[n,d] * scale)
     m[n]       = max over visible j of score[j,n]                  (exact in any order)
     e[j,n]     = exp(score[j,n] - m[n]), exactly 0 for masked j
     acc[n,:]   = fma-chain over j = 0..S-1 of e[j,n] * v[j,:]
     den[n]     = fma-chain over j = 0..S-1 of e[j,n] * 1
     out[n,:]   = acc[n,:] / den[n]
 
-A chain over j in increasing order is unchanged by trailing terms e = 0 (x + 0*v == x
-for finite v), so keys past the query's position -- other rows' longer lengths, the
-rest of a verify pass, stale cache entries -- change nothing. max, the subtraction,
-the division and masking are exact elementwise operations; exp is torch's vectorised
-exp, whose result for an element does not depend on where it sits in the tensor
-(checked by tests/engine/test_batch_invariant.py, which fails loudly if a torch
-build ever changes that). The price: one small kernel call per (row, KV head) and
-pass, single-threaded, instead of one fused SDPA call.
+A chain over j in increasing order is unchanged by trailing terms e = 0 (fma(v, 0, x)
+== x for finite v), so keys past the query's position -- other rows' longer lengths,
+the rest of a verify pass, stale cache entries -- change nothing. The max, the
+subtraction, the masking and the division are exact elementwise operations; exp is
+torch's vectorised exp, whose result for an element does not depend on where it sits
+in the tensor (tests/engine/test_batch_invariant.py checks it, and fails loudly should
+a torch build change that). The price: two small single-threaded kernel calls per
+(row, KV head) and layer instead of one SDPA call (benchmarks/bench_batch_invariant.py).
+
+`invariant_silu` replaces F.silu in the batch-invariant mode (see its docstring). The
+other reductions of a forward pass already are batch-invariant: RMSNorm's mean over E
+and the sampler's softmax/cumsum over V run serially per row in a fixed order that
+depends only on the row length (tested too).
 """
 
 from __future__ import annotations
