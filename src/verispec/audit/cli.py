@@ -21,11 +21,7 @@ def _batch_sizes(s: str) -> tuple[int, ...]:
     return sizes
 
 
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+from ..cli import _positive_int  # noqa: E402  (shared argument type)
 
 
 def _threads(s: str) -> int | str:

@@ -7,18 +7,7 @@ import ipaddress
 import sys
 
 
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _nonneg_int(s: str) -> int:
-    v = int(s)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+from ..cli import _nonneg_int, _positive_int  # noqa: E402  (shared argument types)
 
 
 def _port(s: str) -> int:
