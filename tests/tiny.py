@@ -33,3 +33,20 @@ def native_from_hf(hf) -> LlamaModel:
     cfg = ModelConfig.from_hf_dict(hf.config.to_dict())
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     return LlamaModel(cfg, sd)
+
+
+def engine_pit(target, reqs, generator, temperature: float = 1.0) -> torch.Tensor:
+    """Randomised PIT values of every emitted token: teacher-force the target on each
+    finished sequence for its exact p at each emitted position. -> u [total tokens]."""
+    from verispec.audit.stats import randomized_pit
+    from verispec.sampling import SamplingParams, logits_to_probs
+
+    cache = target.new_cache(1, max(len(r.tokens) for r in reqs))
+    us = []
+    for r in reqs:
+        row = cache.alloc()
+        logits = target.forward(torch.tensor([r.tokens[:-1]]), cache, row)[0]  # [T,V]
+        cache.free(row)
+        p = logits_to_probs(logits[len(r.prompt_ids) - 1:], SamplingParams(temperature=temperature))
+        us.append(randomized_pit(p, torch.tensor(r.output_ids), generator))
+    return torch.cat(us)

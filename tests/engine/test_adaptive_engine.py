@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from tests.engine.test_engine_tiny import V, _hf_reference, _prompts
-from tests.tiny import native_from_hf, tiny_hf
-from verispec.audit.stats import randomized_pit, test_uniform
+from tests.tiny import engine_pit, native_from_hf, tiny_hf
+from verispec.audit.stats import test_uniform
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.engine import Engine, EngineConfig, GenerationParams, Request
 from verispec.policy.adaptive import AdaptivePolicy, CostModel, measure_costs
-from verispec.sampling import SamplingParams, logits_to_probs
+from verispec.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +66,6 @@ def test_adaptive_distribution(models, batch):
                     GenerationParams(max_new_tokens=64, sampling=SamplingParams(temperature=1.0, seed=i)))
             for i in range(24 if batch == 1 else 40)]
     eng.run(reqs)
-    cache = target.new_cache(1, 128)
-    us = []
-    for r in reqs:
-        row = cache.alloc()
-        logits = target.forward(torch.tensor([r.tokens[:-1]]), cache, row)[0]
-        cache.free(row)
-        p = logits_to_probs(logits[len(r.prompt_ids) - 1:], SamplingParams(temperature=1.0))
-        us.append(randomized_pit(p, torch.tensor(r.output_ids), g))
-    res = test_uniform(torch.cat(us).numpy())
+    res = test_uniform(engine_pit(target, reqs, g).numpy())
     assert res.n >= (1500 if batch == 1 else 2500)
     assert res.passed(1e-3), res

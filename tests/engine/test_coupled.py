@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from tests.engine.test_engine_tiny import V, _prompts
-from tests.tiny import native_from_hf, tiny_hf
-from verispec.audit.stats import randomized_pit, test_uniform
+from tests.tiny import engine_pit, native_from_hf, tiny_hf
+from verispec.audit.stats import test_uniform
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.layerskip import LayerSkipDrafter
 from verispec.drafters.lookup import PromptLookupDrafter
 from verispec.engine import Engine, EngineConfig, GenerationParams, Request
 from verispec.policy import FixedK
-from verispec.sampling import SamplingParams, logits_to_probs
+from verispec.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +73,6 @@ def test_coupled_distribution(models):
                     GenerationParams(max_new_tokens=64, sampling=SamplingParams(temperature=1.0, seed=i)))
             for i in range(80)]
     eng.run(reqs)
-    cache = target.new_cache(1, 128)
-    us = []
-    for r in reqs:
-        row = cache.alloc()
-        logits = target.forward(torch.tensor([r.tokens[:-1]]), cache, row)[0]
-        cache.free(row)
-        p = logits_to_probs(logits[len(r.prompt_ids) - 1:], SamplingParams(temperature=1.0))
-        us.append(randomized_pit(p, torch.tensor(r.output_ids), g))
-    res = test_uniform(torch.cat(us).numpy())
+    res = test_uniform(engine_pit(target, reqs, g).numpy())
     assert res.n >= 5000
     assert res.passed(1e-3), res

@@ -4,12 +4,12 @@ tokens passes for the exact rule and fails for the typical (lossy) rule."""
 import pytest
 import torch
 
-from tests.tiny import native_from_hf, tiny_hf
-from verispec.audit.stats import randomized_pit, test_uniform
+from tests.tiny import engine_pit, native_from_hf, tiny_hf
+from verispec.audit.stats import test_uniform
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.engine import Engine, EngineConfig, GenerationParams, Request
 from verispec.policy import FixedK
-from verispec.sampling import SamplingParams, logits_to_probs
+from verispec.sampling import SamplingParams
 
 V = 32
 
@@ -37,18 +37,10 @@ def _pit_of_engine(target, draft, rule, n_prompts=80, max_new=72, seed=0):
                                      sampling=SamplingParams(temperature=1.0, seed=seed * 1000 + i)))
             for i in range(n_prompts)]
     eng.run(reqs)
-    # teacher-force the target on every finished sequence: its exact p at each emitted position
-    us = []
-    cache = target.new_cache(1, 128)
-    for r in reqs:
-        row = cache.alloc()
-        logits = target.forward(torch.tensor([r.tokens[:-1]]), cache, row)[0]  # [T,V]
-        cache.free(row)
-        p = logits_to_probs(logits[len(r.prompt_ids) - 1:], SamplingParams(temperature=1.0))
-        us.append(randomized_pit(p, torch.tensor(r.output_ids), g))
+    u = engine_pit(target, reqs, g)
     drafted = sum(r.stats.drafted for r in reqs)
     accepted = sum(r.stats.accepted for r in reqs)
-    return torch.cat(us), accepted / drafted
+    return u, accepted / drafted
 
 
 def test_exact_rule_passes(pair):
