@@ -5,7 +5,7 @@ speculative output equals the plain reference in every row."""
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tests.tiny import native_from_hf, tiny_hf
+from tests.tiny import assert_varied, native_from_hf, tiny_hf
 from verispec.engine import Engine, EngineConfig, GenerationParams, Request
 from verispec.policy import FixedK
 
@@ -15,13 +15,14 @@ _M = {}
 
 def _target():
     if "t" not in _M:
-        _M["t"] = native_from_hf(tiny_hf("llama", seed=11, vocab=V))
+        _M["t"] = native_from_hf(tiny_hf("llama", seed=11, vocab=V, embed_scale=20.0))
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, V, (int(n),), generator=g).tolist() for n in torch.randint(1, 25, (12,), generator=g)]
         eng = Engine(_M["t"], config=EngineConfig(max_batch=12, max_len=80))
         reqs = [Request(p, GenerationParams(max_new_tokens=30)) for p in prompts]
         eng.run(reqs)
         _M["ref"] = {tuple(p): r.output_ids for p, r in zip(prompts, reqs)}
+        assert_varied([r.output_ids for r in reqs])
     return _M["t"], _M["ref"]
 
 
