@@ -24,14 +24,31 @@ def models():
 
 
 # a cost model where drafting pays, so the policy really drafts (and varies k per row)
-PAYING = CostModel((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (0.05, 0.08))
+PAYING = CostModel.from_total_tokens((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (0.05, 0.08))
 
 
 def test_measure_costs_runs(models):
     _, target, draft = models
     c = measure_costs(target, DraftModelDrafter(draft, V, max_rows=4, max_len=64), 4, 3)
-    assert len(c.target_rows) == len(c.target_s) and all(t > 0 for t in c.target_s)
-    assert all(t > 0 for t in c.draft_s)
+    assert c.batch_pts == (1, 2, 4) and c.token_pts == (1, 2, 3, 4)
+    assert all(t > 0 for row in c.target_s for t in row) and all(t > 0 for t in c.draft_s)
+    # interpolation reproduces the grid and stays between its neighbours
+    assert float(c.target(2, 3)) == pytest.approx(c.target_s[1][2])
+    lo, hi = sorted((c.target_s[1][0], c.target_s[2][0]))
+    assert lo <= float(c.target(3, 1)) <= hi
+
+
+@pytest.mark.parametrize("kind", ["lookup", "layerskip"])
+def test_measure_costs_other_drafters(models, kind):
+    from verispec.drafters.layerskip import LayerSkipDrafter
+    from verispec.drafters.lookup import PromptLookupDrafter
+    _, target, _ = models
+    d = PromptLookupDrafter(3) if kind == "lookup" else LayerSkipDrafter(target, 1)
+    c = measure_costs(target, d, 3, 4)
+    assert c.batch_pts == (1, 2, 3) and c.token_pts == (1, 2, 3, 5)
+    assert c.draft_rows == (1, 2, 3) and all(t > 0 for t in c.draft_s)
+    if kind == "layerskip":  # one of three layers: cheaper than the target's pass
+        assert c.draft_s[0] < c.target_s[0][0]
 
 
 @pytest.fixture(scope="module")

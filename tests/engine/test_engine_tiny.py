@@ -4,7 +4,7 @@ Hugging Face `generate` (greedy, batch 1) on the same weights."""
 import pytest
 import torch
 
-from tests.tiny import native_from_hf, tiny_hf
+from tests.tiny import assert_varied, native_from_hf, tiny_hf
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.layerskip import LayerSkipDrafter
 from verispec.drafters.lookup import PromptLookupDrafter
@@ -12,14 +12,15 @@ from verispec.engine import Engine, EngineConfig, GenerationParams, Request
 from verispec.policy import FixedK
 
 V = 97
+EMBED_SCALE = 20.0  # output that depends on the context (see tiny_hf)
 
 
 @pytest.fixture(scope="module")
 def models():
-    hf = tiny_hf("qwen2", seed=0, vocab=V)
+    hf = tiny_hf("qwen2", seed=0, vocab=V, embed_scale=EMBED_SCALE)
     target = native_from_hf(hf)
     # a draft that agrees often but not always: the target's weights plus noise
-    noisy = tiny_hf("qwen2", seed=0, vocab=V)
+    noisy = tiny_hf("qwen2", seed=0, vocab=V, embed_scale=EMBED_SCALE)
     with torch.no_grad():
         for p in noisy.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -54,6 +55,7 @@ def reference(models):
     prompts = _prompts(16)
     max_new = [5 + (i * 7) % 20 for i in range(16)]  # rows finish at different times
     refs = [_hf_reference(hf, [p], m)[0] for p, m in zip(prompts, max_new)]
+    assert_varied(refs)
     return prompts, max_new, refs
 
 
@@ -127,3 +129,27 @@ def test_failed_prefill_frees_rows(models, monkeypatch):
     good = Request([1, 2, 3], GenerationParams(max_new_tokens=3))
     eng.run([good])  # the engine still serves
     assert len(good.output_ids) == 3
+
+
+def test_verify_pass_is_not_padded_past_the_longest_draft(models, reference, monkeypatch):
+    """Prompt lookup often finds fewer drafts than asked (none, without a match): the
+    verify pass covers 1 + the longest draft found, not 1 + k."""
+    _, target, _ = models
+    prompts, max_new, refs = reference
+    widths = []
+    real = target.forward
+    monkeypatch.setattr(target, "forward", lambda x, *a, **kw: (widths.append(x.shape[1]), real(x, *a, **kw))[1])
+    eng = Engine(target, PromptLookupDrafter(3), FixedK(6), EngineConfig(max_batch=4, max_len=128))
+    reqs = [Request(p, GenerationParams(max_new_tokens=m)) for p, m in zip(prompts[:8], max_new[:8])]
+    for r in reqs:
+        eng.add(r)
+    seen = set()
+    while eng.has_work:
+        running = list(eng.running) + list(eng.waiting)[:4 - len(eng.running)]
+        widths.clear()
+        eng.step()
+        longest = max(len(r.stats.trace[-1][1]) for r in running)
+        assert widths[-1] == 1 + longest
+        seen.add(longest)
+    assert [r.output_ids for r in reqs] == refs[:8]
+    assert 0 in seen and max(seen) > 0  # steps without any match, and steps with drafts

@@ -12,10 +12,11 @@ class R:
 
 
 def costs(verify_slope=0.0, draft=0.3, flat_until=16):
-    """Target: 1.0 s per pass up to flat_until rows, then +verify_slope per row; draft: `draft` s."""
+    """Target: 1.0 s per pass up to flat_until rows, then +verify_slope per row; draft: `draft`
+    s per token for one row, twice that for 64 rows."""
     rows = (1, flat_until, 1024)
     secs = (1.0, 1.0, 1.0 + verify_slope * (1024 - flat_until))
-    return CostModel(rows, secs, (1, 64), (draft, draft))
+    return CostModel.from_total_tokens(rows, secs, (1, 64), (draft, 2 * draft))
 
 
 def feed(policy, reqs, rate, steps, rng):
@@ -77,10 +78,46 @@ def test_never_worse_than_plain_in_the_cost_model():
         E = p.expected_tokens(alphas)
         tokens = sum(E[b, kb] for b, kb in enumerate(choice))
         m, k = sum(kb > 0 for kb in choice), max(choice)
-        secs = float(c.target(B + m * k) + k * c.draft(m))
-        assert tokens / secs >= B / float(c.target(B)) - 1e-9
+        secs = float(c.target(B, k + 1) + k * c.draft(m))  # the engine pads rows to the longest draft
+        assert tokens / secs >= B / float(c.target(B, 1)) - 1e-9
 
 
 def test_max_k_validated():
     with pytest.raises(ValueError):
         AdaptivePolicy(costs(), max_k=0)
+
+
+def test_cost_of_a_step_is_the_padded_pass():
+    # a pass whose cost grows with tokens per row, not with total rows: 4 rows x 2
+    # tokens cost 1.6x 4 rows x 1 token, though 1 row x 8 tokens costs what 1 x 4 does
+    bp, tp = (1, 4), (1, 2, 3)
+    grid = ((1.0, 1.0, 1.0), (1.0, 1.6, 2.2))
+    c = CostModel(bp, tp, grid, (1, 4), (0.0, 0.0))
+    assert float(c.target(4, 2)) == pytest.approx(1.6)
+    assert float(c.target(2, 2)) == pytest.approx(1.2)  # bilinear between the batch points
+    assert float(c.target(4, 5)) == pytest.approx(3.4)  # linear beyond the last token point
+    p = AdaptivePolicy(c, max_k=2)
+    # one row that accepts half the time does not pay for the whole batch's wider pass
+    assert p.best_choice(np.array([0.5, 0.0, 0.0, 0.0])) == [0, 0, 0, 0]
+    # all rows accepting often do
+    assert p.best_choice(np.array([0.9, 0.9, 0.9, 0.9])) == [2, 2, 2, 2]
+
+
+def test_probes_share_steps():
+    p = AdaptivePolicy(costs(draft=1.0), max_k=4)  # drafting never pays: only probes draft
+    reqs = [R(f"r{i}") for i in range(8)]
+    probe_steps = 0
+    for step in range(200):
+        k = p.choose(reqs)
+        if step < 3:  # rows join one at a time: their probe clocks start out of phase
+            for r in reqs[step * 3:(step + 1) * 3]:
+                p.rows.pop(r.request_id, None)
+        probe_steps += any(k)
+        p.observe(reqs, k, [0] * len(k))
+    # 8 failing rows, each alone, would probe on up to 8x as many steps as one row does
+    assert 0 < probe_steps <= 10, probe_steps
+
+
+def test_grid_shape_validated():
+    with pytest.raises(ValueError, match="grid"):
+        CostModel((1, 2), (1,), ((1.0,),), (1,), (0.1,))

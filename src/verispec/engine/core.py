@@ -165,8 +165,12 @@ class Engine:
         else:
             drafts, q, num = torch.zeros(B, 0, dtype=torch.long), None, torch.zeros(B, dtype=torch.long)
         t2 = time.perf_counter()
-        # 3. verify all rows in ONE target pass over [pending, d_1..d_k]
-        K = drafts.shape[1]
+        # 3. verify all rows in ONE target pass over [pending, d_1..d_k]; a drafter may
+        #    find fewer drafts than asked (prompt lookup without a match): no pass pays
+        #    for padding columns that no row uses
+        K = int(num.max())
+        drafts = drafts[:, :K]
+        q = None if q is None else q[:, :K]
         x = torch.cat([self._pending_tokens(reqs), drafts], dim=1)  # [B,K+1]
         logits = self.target.forward(x, self.cache, rows, (num + 1).tolist())  # [B,K+1,V]
         t3 = time.perf_counter()

@@ -3,17 +3,22 @@ maximises the batch's expected tokens per second, so speculation can only help.
 
 Inputs, all known before the step (the policy is non-anticipating: the target's
 verdicts of a step reach it only through observe(), after the step):
-- a cost model measured at start-up: target forward time as a function of the rows
-  it processes (batch x tokens per row), and drafter time per drafting step as a
-  function of the rows drafting;
+- a cost model measured at start-up: the target forward's time as a function of the
+  batch's shape (B rows x T tokens per row; the engine pads every row of a step to the
+  step's longest draft, so a step whose longest draft is k costs target(B, k + 1)
+  whichever rows draft), and the drafter's time per draft token as a function of the
+  rows drafting;
 - each row's running acceptance: an exponential average of the probability that a
   draft token is accepted given the ones before it were.
 
 For a candidate choice "the m rows most likely to accept draft k tokens, the rest
 draft none", expected emitted tokens are sum_b (1 + a_b + ... + a_b^k) and the cost
-is k * t_draft(m) + t_target(B + m k); the best (m, k), k = 0 included, wins. Rows
-whose drafts keep failing fall out of the top m; they are probed again with one
-draft token after an interval that doubles with every failed probe.
+is k * t_draft(m) + t_target(B, k + 1); the best (m, k), k = 0 included, wins, and a
+choice must beat plain decoding's rate by a small margin (the cost model is a
+measurement, not the truth). Rows whose drafts keep failing fall out of the top m;
+they are probed again with one draft token after an interval that doubles with every
+failed probe. Probes are gathered into shared steps (a probe pays for a padded pass,
+which then costs the same for every row that probes in it).
 """
 
 from __future__ import annotations
@@ -25,78 +30,122 @@ import numpy as np
 import torch
 
 
+def _interp(x, xs, ys):
+    """Piecewise linear through (xs, ys); flat below the first point, linear beyond the last."""
+    x = np.asarray(x, dtype=np.float64)
+    xs, ys = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    y = np.interp(x, xs, ys)
+    if len(xs) >= 2:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        y = np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), y)
+    return y
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds as piecewise-linear functions of row counts (interpolated, extrapolated linearly)."""
+    """Measured seconds.
 
-    target_rows: tuple[int, ...]  # rows processed by one target forward
-    target_s: tuple[float, ...]
-    draft_rows: tuple[int, ...]  # rows drafting in one drafter step
+    target_s[i][j]: one target forward over batch_pts[i] rows x token_pts[j] tokens per
+    row (interpolated bilinearly between grid points, linearly beyond the last).
+    draft_s[i]: the drafter's time per draft token when draft_rows[i] rows draft.
+    """
+
+    batch_pts: tuple[int, ...]
+    token_pts: tuple[int, ...]
+    target_s: tuple[tuple[float, ...], ...]  # [len(batch_pts)][len(token_pts)]
+    draft_rows: tuple[int, ...]
     draft_s: tuple[float, ...]
 
-    @staticmethod
-    def _interp(x, xs, ys):
-        x = np.asarray(x, dtype=np.float64)
-        xs, ys = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
-        y = np.interp(x, xs, ys)
-        if len(xs) >= 2:  # linear beyond the last point
-            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-            y = np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), y)
-        return y
+    def __post_init__(self):
+        if len(self.target_s) != len(self.batch_pts) or any(len(r) != len(self.token_pts) for r in self.target_s):
+            raise ValueError("target_s must be a len(batch_pts) x len(token_pts) grid")
+        if len(self.draft_rows) != len(self.draft_s):
+            raise ValueError("draft_rows and draft_s differ in length")
 
-    def target(self, rows):
-        return self._interp(rows, self.target_rows, self.target_s)
+    @classmethod
+    def from_total_tokens(cls, rows, secs, draft_rows, draft_s, *, max_batch: int = 64,
+                          max_tokens: int = 17) -> "CostModel":
+        """A synthetic model whose pass costs f(B * T), f piecewise linear through (rows, secs)."""
+        bp, tp = tuple(range(1, max_batch + 1)), tuple(range(1, max_tokens + 1))
+        grid = tuple(tuple(float(_interp(b * t, rows, secs)) for t in tp) for b in bp)
+        return cls(bp, tp, grid, tuple(draft_rows), tuple(draft_s))
+
+    def target(self, B: int, T):
+        """Seconds of one target pass over B rows x T tokens (T: a number or an array)."""
+        per_b = np.stack([_interp(T, self.token_pts, row) for row in self.target_s])  # [nB, *T]
+        xs = np.asarray(self.batch_pts, dtype=np.float64)
+        if len(xs) == 1:
+            return per_b[0]
+        x = max(float(B), xs[0])
+        i = int(np.clip(np.searchsorted(xs, x) - 1, 0, len(xs) - 2))
+        w = (x - xs[i]) / (xs[i + 1] - xs[i])
+        return per_b[i] * (1.0 - w) + per_b[i + 1] * w
 
     def draft(self, rows):
-        return np.where(np.asarray(rows) > 0, self._interp(rows, self.draft_rows, self.draft_s), 0.0)
+        return np.where(np.asarray(rows) > 0, _interp(rows, self.draft_rows, self.draft_s), 0.0)
 
 
-def _time(fn, repeats: int = 3) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
-
-
-def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = 64) -> CostModel:
-    """Time the target on 1..max_batch*(max_k+1) rows and the drafter on 1..max_batch rows."""
+def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = 64,
+                  repeats: int = 3) -> CostModel:
+    """Time the target on B rows x T tokens over a grid up to (max_batch, max_k + 1),
+    each row on a cached context, and the drafter on 1..max_batch rows. The grid is
+    timed round-robin (a burst of load on a shared machine hits every shape alike);
+    the median of `repeats` is kept."""
     from ..drafters.draft_model import DraftModelDrafter
     from ..drafters.layerskip import LayerSkipDrafter
+    from ..sampling import SamplingParams
 
     V = target.config.vocab_size
-    n_max = max_batch * (max_k + 1)
-    pts = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, n_max} & set(range(1, n_max + 1)) | {n_max})
-    cache = target.new_cache(1, context + n_max)
-    row = cache.alloc()
-    target.forward(torch.randint(0, V, (1, context)), cache, row)
+    bps = sorted({1, 2, 4, 8, 16, 32, 64, 128} & set(range(1, max_batch + 1)) | {max_batch})
+    tps = sorted({1, 2, 3, 5, 9, 17} & set(range(1, max_k + 2)) | {max_k + 1})
+    cache = target.new_cache(max_batch, context + max_k + 1)
+    rows = cache.alloc(max_batch)
+    target.forward(torch.randint(0, V, (max_batch, context)), cache, rows, last_only=True)
 
-    def fwd(model, c, r, n, **kw):
+    def target_pass(B, T, **kw):
         def f():
-            model.forward(torch.randint(0, V, (1, n)), c, r, **kw)
-            c.truncate(r, [context])
+            target.forward(torch.randint(0, V, (B, T)), cache, rows[:B], **kw)
+            cache.truncate(rows[:B], [context] * B)
         return f
-    t_s = [_time(fwd(target, cache, row, n)) for n in pts]
+
+    def timed_grid(fns):
+        for f in fns:  # warm-up
+            f()
+        ts = [[] for _ in fns]
+        for _ in range(repeats):
+            for i, f in enumerate(fns):
+                t = time.perf_counter()
+                f()
+                ts[i].append(time.perf_counter() - t)
+        return [float(np.median(x)) for x in ts]
+
+    shapes = [(b, t) for b in bps for t in tps]
+    flat = timed_grid([target_pass(b, t) for b, t in shapes])
+    grid = tuple(tuple(flat[i * len(tps):(i + 1) * len(tps)]) for i in range(len(bps)))
     d_pts = sorted({1, 2, 4, 8, 16, 32, max_batch} & set(range(1, max_batch + 1)))
     if isinstance(drafter, DraftModelDrafter):
         dm = drafter.model
         dc = dm.new_cache(max(d_pts), context + 1)
-        rows = dc.alloc(max(d_pts))
-        dm.forward(torch.randint(0, V, (len(rows), context)).clamp(max=dm.config.vocab_size - 1), dc, rows)
+        drows = dc.alloc(max(d_pts))
+        dm.forward(torch.randint(0, V, (len(drows), context)).clamp(max=dm.config.vocab_size - 1), dc, drows)
 
         def dfwd(m):
             def f():
-                dm.forward(torch.zeros(m, 1, dtype=torch.long), dc, rows[:m], last_only=True)
-                dc.truncate(rows[:m], [context] * m)
+                dm.forward(torch.zeros(m, 1, dtype=torch.long), dc, drows[:m], last_only=True)
+                dc.truncate(drows[:m], [context] * m)
             return f
-        d_s = [_time(dfwd(m)) for m in d_pts]
+        d_s = timed_grid([dfwd(m) for m in d_pts])
     elif isinstance(drafter, LayerSkipDrafter):
-        d_s = [_time(fwd(target, cache, row, m, last_only=True, num_layers=drafter.num_layers)) for m in d_pts]
-    else:  # prompt lookup and other model-free drafters: host-side work only
-        d_s = [2e-5 * m for m in d_pts]
-    return CostModel(tuple(pts), tuple(t_s), tuple(d_pts), tuple(d_s))
+        d_s = timed_grid([target_pass(m, 1, last_only=True, num_layers=drafter.num_layers) for m in d_pts])
+    else:  # model-free drafters (prompt lookup): one propose call for k = max_k, per token
+        g = torch.Generator().manual_seed(0)
+        seqs = [torch.randint(0, V, (context + 192,), generator=g).tolist() for _ in range(max(d_pts))]
+        greedy = SamplingParams()
+
+        def prop(m):
+            return lambda: drafter.propose(list(range(m)), seqs[:m], [max_k] * m, [greedy] * m, [None] * m)
+        d_s = [t / max_k for t in timed_grid([prop(m) for m in d_pts])]
+    return CostModel(tuple(bps), tuple(tps), grid, tuple(d_pts), tuple(d_s))
 
 
 class _RowState:
@@ -111,11 +160,12 @@ class _RowState:
 
 class AdaptivePolicy:
     def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, decay: float = 0.3,
-                 min_probe: int = 8, max_probe: int = 128):
+                 min_probe: int = 8, max_probe: int = 128, min_gain: float = 0.03):
         if max_k < 1:
             raise ValueError("max_k must be >= 1")
         self.costs, self.max_k, self.prior, self.decay = costs, max_k, prior, decay
         self.min_probe, self.max_probe = min_probe, max_probe
+        self.min_gain = min_gain  # a choice must beat plain decoding's modelled rate by this
         self.rows: dict[str, _RowState] = {}
         self.global_alpha = prior  # new rows start from what this drafter has done lately
 
@@ -139,12 +189,12 @@ class AdaptivePolicy:
         m = np.arange(1, B + 1)[:, None]  # [B,1]
         k = np.arange(self.max_k + 1)[None, :]  # [1,K+1]
         tokens = B + gain  # [B, K+1]
-        secs = self.costs.target(B + m * k) + k * self.costs.draft(m)  # [B, K+1]
+        secs = self.costs.target(B, k + 1.0) + k * self.costs.draft(m)  # [B, K+1] (padded pass)
         rate = tokens / secs
-        base = B / float(self.costs.target(B))
+        base = B / float(self.costs.target(B, 1))
         i, j = np.unravel_index(int(np.argmax(rate)), rate.shape)
         choice = [0] * B
-        if rate[i, j] > base and j > 0:
+        if rate[i, j] > base * (1.0 + self.min_gain) and j > 0:
             for b in order[: i + 1]:
                 choice[int(b)] = int(j)
         return choice
@@ -152,10 +202,15 @@ class AdaptivePolicy:
     def choose(self, requests) -> list[int]:
         states = [self._state(r) for r in requests]
         choice = self.best_choice(np.array([s.alpha for s in states]))
-        for s, idx in zip(states, range(len(states))):
+        for s in states:
             s.probing = False
-            if choice[idx] == 0 and s.idle >= s.probe_every:
-                choice[idx], s.probing = 1, True  # a rare, cheap probe of a row left out
+        # a rare, cheap probe of rows left out; when one row is due, the rows halfway to
+        # their own probe join it, so probes share padded passes instead of each
+        # costing the whole batch a wider pass on a step of its own
+        if any(c == 0 and s.idle >= s.probe_every for c, s in zip(choice, states)):
+            for i, s in enumerate(states):
+                if choice[i] == 0 and 2 * s.idle >= s.probe_every:
+                    choice[i], s.probing = 1, True
         return choice
 
     def observe(self, requests, k, accepted) -> None:
