@@ -45,30 +45,32 @@ def run_hf(hf, ids, max_new, **kw):
     return out[0, len(ids):].tolist(), time.perf_counter() - t
 
 
-def step_costs(target, draft, ctx_len: int, ks, repeats=3):
-    """Measured seconds: target forward over n tokens at a cached context, draft 1 token."""
+def step_costs(target, draft, ctx_len: int, ks, repeats=7):
+    """Measured seconds: target forward over n tokens at a cached context, draft 1 token.
+    One warm-up round, then the sizes are timed round-robin (so a burst of load on the
+    shared machine hits every size alike) and the median per size is kept."""
     V = target.config.vocab_size
     ctx = torch.randint(0, V, (1, ctx_len))
     tc, dc = target.new_cache(1, ctx_len + 20), draft.new_cache(1, ctx_len + 20)
     tr, dr = tc.alloc(), dc.alloc()
     target.forward(ctx, tc, tr)
     draft.forward(ctx, dc, dr)
-    cost = {}
-    for n in range(1, max(ks) + 2):
-        ts = []
-        for _ in range(repeats):
+    sizes = list(range(1, max(ks) + 2))
+    ts = defaultdict(list)
+    ds = []
+    for rep in range(repeats + 1):
+        for n in sizes:
             t = time.perf_counter()
             target.forward(torch.randint(0, V, (1, n)), tc, tr, last_only=False)
-            ts.append(time.perf_counter() - t)
+            if rep:
+                ts[n].append(time.perf_counter() - t)
             tc.truncate(tr, [ctx_len])
-        cost[n] = statistics.median(ts)
-    ds = []
-    for _ in range(repeats):
         t = time.perf_counter()
         draft.forward(torch.randint(0, V, (1, 1)), dc, dr, last_only=True)
-        ds.append(time.perf_counter() - t)
+        if rep:
+            ds.append(time.perf_counter() - t)
         dc.truncate(dr, [ctx_len])
-    return cost, statistics.median(ds)
+    return {n: statistics.median(v) for n, v in ts.items()}, statistics.median(ds)
 
 
 def ideal_speedup(reqs, cost, t_draft, t_lookup=0.0):
