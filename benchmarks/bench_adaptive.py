@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -35,6 +36,9 @@ def main():
     ap.add_argument("--fixed", default="2,4,8")
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--slices", default=None, help="comma list (default: all 8)")
+    ap.add_argument("--load", type=int, default=2,
+                    help="requests per batch slot: freed rows are refilled, as in a server (1 = one closed batch)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every configuration, interleaved; median")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -62,30 +66,35 @@ def main():
     chosen = defaultdict(list)
     cells = [(s, b) for b in batches for s in by_slice]
     for sl, b in tqdm(cells, desc="cells"):
-        ids = (by_slice[sl] * ((b + len(by_slice[sl]) - 1) // len(by_slice[sl])))[:b]
-        for cfg in configs:
-            if cfg == "plain":
-                d, pol = None, FixedK(0)
-            elif cfg == "adaptive":
-                d, pol = drafter, AdaptivePolicy(costs[b], max_k=kmax)
-            else:
-                d, pol = drafter, FixedK(int(cfg[2:]))
-            eng = Engine(target, d, pol, EngineConfig(max_batch=b, max_len=max_len))
-            reqs = [Request(x, GenerationParams(max_new_tokens=args.max_new, ignore_eos=True)) for x in ids]
-            t = time.perf_counter()
-            eng.run(reqs)
-            # decode throughput: prefill (target and drafter) is the same work in every
-            # configuration, so it is left out rather than allowed to dilute the ratios
-            dt = time.perf_counter() - t - eng.times.prefill_s
-            tps[(sl, b)][cfg] = sum(len(r.output_ids) for r in reqs) / dt
-            if cfg == "adaptive":
-                ks = [k for r in reqs for k in r.stats.k_chosen]
-                chosen[(sl, b)] = sum(ks) / len(ks)
+        n_req = b * args.load
+        ids = (by_slice[sl] * ((n_req + len(by_slice[sl]) - 1) // len(by_slice[sl])))[:n_req]
+        runs = defaultdict(list)
+        for _ in range(args.rounds):
+            for cfg in configs:
+                if cfg == "plain":
+                    d, pol = None, FixedK(0)
+                elif cfg == "adaptive":
+                    d, pol = drafter, AdaptivePolicy(costs[b], max_k=kmax)
+                else:
+                    d, pol = drafter, FixedK(int(cfg[2:]))
+                eng = Engine(target, d, pol, EngineConfig(max_batch=b, max_len=max_len))
+                reqs = [Request(x, GenerationParams(max_new_tokens=args.max_new, ignore_eos=True)) for x in ids]
+                t = time.perf_counter()
+                eng.run(reqs)
+                # decode throughput: prefill (target and drafter) is the same work in every
+                # configuration, so it is left out rather than allowed to dilute the ratios
+                dt = time.perf_counter() - t - eng.times.prefill_s
+                runs[cfg].append(sum(len(r.output_ids) for r in reqs) / dt)
+                if cfg == "adaptive":
+                    ks = [k for r in reqs for k in r.stats.k_chosen]
+                    chosen[(sl, b)] = sum(ks) / len(ks)
+        tps[(sl, b)] = {c: statistics.median(v) for c, v in runs.items()}
         d = tps[(sl, b)]
         tqdm.write(f"batch {b:>2} {sl:<14} plain {d['plain']:.2f} tok/s; " + ", ".join(
             f"{c} {d[c] / d['plain']:.2f}x" for c in configs[1:]), file=sys.stdout)
     print(f"\n{args.target} with {args.draft}, greedy, {args.max_new} new tokens, chat template; "
-          f"decode throughput (prefill excluded), speedup over plain decoding (adaptive: mean k chosen)")
+          f"decode throughput (prefill excluded), {args.load} requests per batch slot, median of {args.rounds}; "
+          f"speedup over plain decoding (adaptive: mean k chosen)")
     print("| batch | slice | plain tok/s | " + " | ".join(configs[1:]) + " | adaptive / best fixed |")
     print("|---" * (len(configs) + 3) + "|")
     worst_plain, worst_best = 9e9, 9e9

@@ -8,11 +8,13 @@ drafter and temperature the two rules run back to back on the same prompts, fixe
     python benchmarks/bench_coupled.py --target smollm2-135m --drafters lookup,layerskip:20
 
 Rejection sampling accepts draft token d with probability min(1, p(d)/q(d)), which
-realises the maximal coupling: P(accept) = sum_x min(p, q) = 1 - TV(p, q). The coupled
-rule accepts when the target's Gumbel-max sample under the shared keyed noise equals
-the draft; for a draft model sampling with the same noise that probability is lower
-(Gumbel coupling: at least (1 - TV) / (1 + TV)), the price of byte-reproducibility.
-For prompt lookup (q one-hot) both rules accept with probability p(d).
+realises the maximal coupling: P(accept) = sum_x min(p, q) = 1 - TV(p, q), the most any
+rule can accept. The coupled rule accepts when the target's Gumbel-max sample under
+the shared keyed noise equals the draft's (which used the same noise): at most
+1 - TV and at least (1 - TV) / (1 + TV), the price of byte-reproducibility. For prompt
+lookup (q one-hot) both rules accept with probability p(d). The two rules emit
+different (equally distributed) sequences, so their acceptances are measured on
+different contexts: differences of a few hundredths are sampling noise.
 """
 
 from __future__ import annotations

@@ -121,3 +121,16 @@ def test_probes_share_steps():
 def test_grid_shape_validated():
     with pytest.raises(ValueError, match="grid"):
         CostModel((1, 2), (1,), ((1.0,),), (1,), (0.1,))
+
+
+def test_drafts_not_found_count_as_rejected():
+    # prompt lookup without a match drafts nothing though asked for k: the engine reports
+    # what was asked, so the row's acceptance falls and it stops asking (bar probes)
+    p = AdaptivePolicy(costs(verify_slope=0.01, draft=0.001), max_k=8)
+    reqs = [R("no-match")]
+    assert p.choose(reqs)[0] > 0  # the prior says drafting pays
+    for _ in range(10):
+        k = p.choose(reqs)
+        p.observe(reqs, k, [0])
+    assert p.rows["no-match"].alpha < 0.05
+    assert p.choose(reqs)[0] == 0

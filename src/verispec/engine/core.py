@@ -222,7 +222,10 @@ class Engine:
             self.drafter.rollback(rows, committed)
         for r, reason in finished:
             self._finish(r, reason)
-        self.policy.observe(reqs, num_l, acc_l)  # after the step: the policy never sees verdicts early
+        # after the step: the policy never sees verdicts early. It learns from what it
+        # asked for: a draft the drafter could not find (no lookup match) counts as a
+        # rejected one, since the step paid for it in the same way
+        self.policy.observe(reqs, k, acc_l)
         done = {id(r) for r, _ in finished}
         self.running = [r for r in reqs if id(r) not in done]
         t4 = time.perf_counter()

@@ -4,7 +4,9 @@ Policy protocol::
 
     max_k: int                          upper bound on any choice (sizes the cache slack)
     choose(requests) -> list[int]       k per row, from what was known before this step
-    observe(requests, k, accepted)      the step's outcome, for adaptive policies
+    observe(requests, k, accepted)      the step's outcome, for adaptive policies: k as asked
+                                        (capped at what a row may still emit; a drafter may
+                                        have found fewer), accepted draft tokens per row
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ verdicts of a step reach it only through observe(), after the step):
 For a candidate choice "the m rows most likely to accept draft k tokens, the rest
 draft none", expected emitted tokens are sum_b (1 + a_b + ... + a_b^k) and the cost
 is k * t_draft(m) + t_target(B, k + 1); the best (m, k), k = 0 included, wins, and a
-choice must beat plain decoding's rate by a small margin (the cost model is a
+choice must beat plain decoding's rate by a margin of 5% (the cost model is a
 measurement, not the truth). Rows whose drafts keep failing fall out of the top m;
 they are probed again with one draft token after an interval that doubles with every
 failed probe. Probes are gathered into shared steps (a probe pays for a padded pass,
@@ -85,7 +85,7 @@ class CostModel:
         return np.where(np.asarray(rows) > 0, _interp(rows, self.draft_rows, self.draft_s), 0.0)
 
 
-def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = 64,
+def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = 160,
                   repeats: int = 3) -> CostModel:
     """Time the target on B rows x T tokens over a grid up to (max_batch, max_k + 1),
     each row on a cached context, and the drafter on 1..max_batch rows. The grid is
@@ -159,13 +159,14 @@ class _RowState:
 
 
 class AdaptivePolicy:
-    def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, decay: float = 0.3,
-                 min_probe: int = 8, max_probe: int = 128, min_gain: float = 0.03):
+    def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.3, decay: float = 0.3,
+                 min_probe: int = 8, max_probe: int = 128, min_gain: float = 0.05):
         if max_k < 1:
             raise ValueError("max_k must be >= 1")
         self.costs, self.max_k, self.prior, self.decay = costs, max_k, prior, decay
         self.min_probe, self.max_probe = min_probe, max_probe
         self.min_gain = min_gain  # a choice must beat plain decoding's modelled rate by this
+        self._cache: dict[int, tuple] = {}
         self.rows: dict[str, _RowState] = {}
         self.global_alpha = prior  # new rows start from what this drafter has done lately
 
@@ -189,15 +190,31 @@ class AdaptivePolicy:
         m = np.arange(1, B + 1)[:, None]  # [B,1]
         k = np.arange(self.max_k + 1)[None, :]  # [1,K+1]
         tokens = B + gain  # [B, K+1]
-        secs = self.costs.target(B, k + 1.0) + k * self.costs.draft(m)  # [B, K+1] (padded pass)
+        t_pass, t_draft = self._pass_costs(B)
+        secs = t_pass[None, :] + k * t_draft[:, None]  # [B, K+1] (a padded pass + m rows drafting)
         rate = tokens / secs
-        base = B / float(self.costs.target(B, 1))
+        base = B / float(t_pass[0])
         i, j = np.unravel_index(int(np.argmax(rate)), rate.shape)
         choice = [0] * B
         if rate[i, j] > base * (1.0 + self.min_gain) and j > 0:
             for b in order[: i + 1]:
                 choice[int(b)] = int(j)
         return choice
+
+    def _pass_costs(self, B: int):
+        """(target pass over B rows x 1..max_k+1 tokens [K+1], draft token for 1..B rows [B]), memoised."""
+        c = self._cache.get(B)
+        if c is None:
+            c = self._cache[B] = (np.asarray(self.costs.target(B, np.arange(1.0, self.max_k + 2))),
+                                  np.asarray(self.costs.draft(np.arange(1, B + 1))))
+        return c
+
+    def probe_interval(self, B: int) -> int:
+        """Idle steps before a row left out is probed: min_probe, or longer where a probe's
+        wider pass is dear (it must cost the batch under 1% of its time)."""
+        t = self._pass_costs(B)[0]
+        extra = float(t[1] / t[0]) - 1.0 if len(t) > 1 else 0.0
+        return max(self.min_probe, int(np.ceil(extra / 0.01)))
 
     def choose(self, requests) -> list[int]:
         states = [self._state(r) for r in requests]
@@ -207,9 +224,10 @@ class AdaptivePolicy:
         # a rare, cheap probe of rows left out; when one row is due, the rows halfway to
         # their own probe join it, so probes share padded passes instead of each
         # costing the whole batch a wider pass on a step of its own
-        if any(c == 0 and s.idle >= s.probe_every for c, s in zip(choice, states)):
+        floor = self.probe_interval(len(states))
+        if any(c == 0 and s.idle >= max(s.probe_every, floor) for c, s in zip(choice, states)):
             for i, s in enumerate(states):
-                if choice[i] == 0 and 2 * s.idle >= s.probe_every:
+                if choice[i] == 0 and 2 * s.idle >= max(s.probe_every, floor):
                     choice[i], s.probing = 1, True
         return choice
 
