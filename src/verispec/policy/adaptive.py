@@ -159,7 +159,7 @@ class _RowState:
 
 
 class AdaptivePolicy:
-    def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.3, decay: float = 0.3,
+    def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, decay: float = 0.3,
                  min_probe: int = 8, max_probe: int = 128, min_gain: float = 0.05):
         if max_k < 1:
             raise ValueError("max_k must be >= 1")
