@@ -1,9 +1,10 @@
 """A second, smaller model with the same tokenizer drafts autoregressively.
 
-It keeps its own KV cache, rows aligned with the target's. Its cache may lag the
-sequence: every proposal first feeds the tokens the draft has not seen yet (the
-pending token, plus the last draft token after a step that accepted every draft and
-added a bonus token: the "catch-up"), then drafts one token per forward pass.
+It keeps its own KV cache, rows aligned with the target's, prefilled on admission. Its
+cache may lag the sequence: every proposal first feeds the tokens the draft has not
+seen yet (the pending token, plus the last draft token after a step that accepted every
+draft and added a bonus token: the "catch-up"; or every token since a row last
+drafted, when the policy let it rest), then drafts one token per forward pass.
 """
 
 from __future__ import annotations
@@ -39,9 +40,18 @@ class DraftModelDrafter:
         self.cache = model.new_cache(max_rows, max_len)
 
     def admit(self, rows, tokens):
+        """Prefill the draft cache with each prompt but its pending (last) token, as the
+        engine does for the target: the first proposal then feeds one token, and the
+        draft's prefill is timed (and batched) as prefill, not as a drafting step."""
         for r in rows:
             self.cache.in_use[r] = True
             self.cache.lengths[r] = 0
+        lens = [len(t) - 1 for t in tokens]
+        if max(lens, default=0) > 0:
+            x = torch.zeros(len(rows), max(lens), dtype=torch.long)  # [B,T]
+            for b, t in enumerate(tokens):
+                x[b, :lens[b]] = torch.tensor(t[:-1])
+            self.model.forward(x, self.cache, list(rows), lens, last_only=True)
 
     def propose(self, rows, tokens, k, sampling, generators):
         B, K = len(rows), max(k, default=0)
