@@ -86,3 +86,23 @@ def test_adaptive_distribution(models, batch):
     res = test_uniform(engine_pit(target, reqs, g).numpy())
     assert res.n >= (1500 if batch == 1 else 2500)
     assert res.passed(1e-3), res
+
+
+def test_engine_reports_step_times_to_the_policy(models):
+    _, target, draft = models
+
+    class Spy(AdaptivePolicy):
+        def observe_costs(self, *args):
+            calls.append(args)
+            super().observe_costs(*args)
+    calls = []
+    policy = Spy(PAYING, max_k=3)
+    eng = Engine(target, DraftModelDrafter(draft, V, max_rows=4, max_len=128), policy,
+                 EngineConfig(max_batch=4, max_len=128))
+    reqs = [Request(p, GenerationParams(max_new_tokens=10)) for p in _prompts(6, seed=5)]
+    eng.run(reqs)
+    assert len(calls) == eng.times.steps
+    for B, T, m, k, draft_s, verify_s in calls:
+        assert 1 <= B <= 4 and 1 <= T <= 4 and 0 <= m <= B and 0 <= k <= 3
+        assert verify_s > 0 and draft_s >= 0 and (k > 0 or draft_s < 1e-3)
+    assert any(T > 1 for _, T, *_ in calls) and policy.scale["wide"] != 1.0

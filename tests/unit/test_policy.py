@@ -134,3 +134,28 @@ def test_drafts_not_found_count_as_rejected():
         p.observe(reqs, k, [0])
     assert p.rows["no-match"].alpha < 0.05
     assert p.choose(reqs)[0] == 0
+
+
+def test_measured_times_recalibrate_the_cost_model():
+    # start-up said a draft token costs a whole target pass: drafting cannot pay
+    p = AdaptivePolicy(costs(verify_slope=0.0, draft=1.0), max_k=4)
+    alphas = np.array([0.8])
+    assert p.best_choice(alphas) == [0]
+    for _ in range(40):  # the engine measures drafting at 1/20 of that
+        p.observe_costs(1, 5, 1, 4, 4 * 0.05, 1.0)
+        p.observe_costs(1, 1, 0, 0, 0.0, 1.0)
+    assert p.scale["draft"] < 0.3 and abs(p.scale["plain"] - 1.0) < 1e-9
+    assert p.best_choice(alphas)[0] >= 2
+    # and back: wide passes turn out to cost 3x what start-up measured
+    q = AdaptivePolicy(costs(verify_slope=0.0, draft=0.01), max_k=4)
+    alphas = np.array([0.6])
+    assert q.best_choice(alphas)[0] > 0
+    for _ in range(40):
+        q.observe_costs(1, 5, 1, 4, 4 * 0.01, 3.0)
+    assert q.best_choice(alphas) == [0]
+
+
+def test_one_stalled_step_moves_the_model_little():
+    p = AdaptivePolicy(costs(), max_k=4)
+    p.observe_costs(1, 1, 0, 0, 0.0, 1000.0)  # a 1000x stall (the machine was busy)
+    assert p.scale["plain"] == pytest.approx(1.0 + 0.1 * (4.0 - 1.0))

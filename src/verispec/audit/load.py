@@ -34,6 +34,10 @@ class PhasedPolicy:
         if self.speculative:
             self.inner.observe(requests, k, accepted)
 
+    def observe_costs(self, *args):
+        if hasattr(self.inner, "observe_costs"):
+            self.inner.observe_costs(*args)
+
 
 def context_prompts(ctx: AuditContext, rows: int, n_tokens: int) -> list[list[int]]:
     """rows prompts of about n_tokens tokens each (after prompt formatting): a real task from

@@ -226,6 +226,8 @@ class Engine:
         # asked for: a draft the drafter could not find (no lookup match) counts as a
         # rejected one, since the step paid for it in the same way
         self.policy.observe(reqs, k, acc_l)
+        if hasattr(self.policy, "observe_costs"):  # measured times refine a cost model
+            self.policy.observe_costs(B, K + 1, sum(kb > 0 for kb in k), max(k), t2 - t1, t3 - t2)
         done = {id(r) for r, _ in finished}
         self.running = [r for r in reqs if id(r) not in done]
         t4 = time.perf_counter()

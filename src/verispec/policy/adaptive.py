@@ -167,6 +167,8 @@ class AdaptivePolicy:
         self.min_probe, self.max_probe = min_probe, max_probe
         self.min_gain = min_gain  # a choice must beat plain decoding's modelled rate by this
         self._cache: dict[int, tuple] = {}
+        self.scale = {"plain": 1.0, "wide": 1.0, "draft": 1.0}  # measured / modelled time
+        self.calibration = 0.1  # weight of each step's measurement in those ratios
         self.rows: dict[str, _RowState] = {}
         self.global_alpha = prior  # new rows start from what this drafter has done lately
 
@@ -201,13 +203,40 @@ class AdaptivePolicy:
                 choice[int(b)] = int(j)
         return choice
 
-    def _pass_costs(self, B: int):
-        """(target pass over B rows x 1..max_k+1 tokens [K+1], draft token for 1..B rows [B]), memoised."""
+    def _model_costs(self, B: int):
+        """Start-up figures: (target pass over B rows x 1..max_k+1 tokens [K+1], draft token
+        for 1..B rows drafting [B]), memoised."""
         c = self._cache.get(B)
         if c is None:
             c = self._cache[B] = (np.asarray(self.costs.target(B, np.arange(1.0, self.max_k + 2))),
                                   np.asarray(self.costs.draft(np.arange(1, B + 1))))
         return c
+
+    def _pass_costs(self, B: int):
+        """The start-up figures rescaled by what the engine has measured since."""
+        t_pass, t_draft = self._model_costs(B)
+        t_pass = t_pass * np.where(np.arange(len(t_pass)) == 0, self.scale["plain"], self.scale["wide"])
+        return t_pass, t_draft * self.scale["draft"]
+
+    def observe_costs(self, B: int, tokens_per_row: int, drafting_rows: int, drafts: int,
+                      draft_s: float, verify_s: float) -> None:
+        """Measured times of the step just taken (from the engine): the target pass over
+        B rows x tokens_per_row took verify_s; drafting `drafts` tokens for drafting_rows
+        rows took draft_s. Running ratios of measured to modelled time (one-token passes,
+        wider passes, drafting) rescale the cost model, so a start-up timing that was
+        off, or a machine whose load changed, stops steering the choice. Timings are not
+        verdicts: using them keeps the policy non-anticipating."""
+        t_pass, t_draft = self._model_costs(B)
+        T = min(max(tokens_per_row, 1), len(t_pass))
+        key = "plain" if T == 1 else "wide"
+        self._update_scale(key, verify_s / float(t_pass[T - 1]))
+        if drafts > 0 and drafting_rows > 0:
+            self._update_scale("draft", draft_s / (drafts * float(t_draft[min(drafting_rows, B) - 1])))
+
+    def _update_scale(self, key: str, ratio: float) -> None:
+        if np.isfinite(ratio) and ratio > 0:
+            ratio = min(max(ratio, 0.25), 4.0)  # one stalled step must not swing the model
+            self.scale[key] = (1 - self.calibration) * self.scale[key] + self.calibration * ratio
 
     def probe_interval(self, B: int) -> int:
         """Idle steps before a row left out is probed: min_probe, or longer where a probe's

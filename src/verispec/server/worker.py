@@ -49,6 +49,10 @@ class PerRequestPolicy:
     def observe(self, requests, k, accepted):
         self.inner.observe(requests, k, accepted)
 
+    def observe_costs(self, *args):
+        if hasattr(self.inner, "observe_costs"):
+            self.inner.observe_costs(*args)
+
 
 @dataclass
 class StepStats:
