@@ -57,6 +57,9 @@ def main():
     drafter = make_drafter(args.draft, target, tok, max_rows=max(batches), max_len=max_len + kmax + 2,
                            progress=False)
     costs = {b: measure_costs(target, drafter, b, kmax) for b in batches}
+    # one policy per batch size for the whole run, as a server keeps one: what it learns
+    # about the drafter and its measured step times carries from request to request
+    adaptive = {b: AdaptivePolicy(costs[b], max_k=kmax) for b in batches}
     warm = next(iter(by_slice.values()))[:1]  # page the weights in and build kernels before timing
     for d, pol in ((None, FixedK(0)), (drafter, FixedK(kmax))):
         Engine(target, d, pol, EngineConfig(max_batch=1, max_len=max_len)).run(
@@ -74,7 +77,7 @@ def main():
                 if cfg == "plain":
                     d, pol = None, FixedK(0)
                 elif cfg == "adaptive":
-                    d, pol = drafter, AdaptivePolicy(costs[b], max_k=kmax)
+                    d, pol = drafter, adaptive[b]
                 else:
                     d, pol = drafter, FixedK(int(cfg[2:]))
                 eng = Engine(target, d, pol, EngineConfig(max_batch=b, max_len=max_len))
