@@ -106,3 +106,20 @@ def test_engine_reports_step_times_to_the_policy(models):
         assert 1 <= B <= 4 and 1 <= T <= 4 and 0 <= m <= B and 0 <= k <= 3
         assert verify_s > 0 and draft_s >= 0 and (k > 0 or draft_s < 1e-3)
     assert any(T > 1 for _, T, *_ in calls) and policy.scale["wide"] != 1.0
+
+
+def test_adaptive_with_prompt_lookup_equals_hf(models, reference):
+    """The model-free path: ask for max_k, trim to the drafts found; output stays exact and
+    the trace records what was verified."""
+    from verispec.drafters.lookup import PromptLookupDrafter
+    hf, target, _ = models
+    prompts, max_new, refs = reference
+    flat = CostModel.from_total_tokens((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (1e-5, 1e-5), draft_free=True)
+    eng = Engine(target, PromptLookupDrafter(2), AdaptivePolicy(flat, max_k=5),
+                 EngineConfig(max_batch=8, max_len=128))
+    reqs = [Request(p, GenerationParams(max_new_tokens=m)) for p, m in zip(prompts, max_new)]
+    eng.run(reqs)
+    assert [r.output_ids for r in reqs] == refs
+    steps = [(d, asked) for r in reqs for _, d, _, asked in r.stats.trace]
+    assert all(len(d) == asked for d, asked in steps)
+    assert any(len(d) > 0 for d, _ in steps)

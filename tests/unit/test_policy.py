@@ -159,3 +159,27 @@ def test_one_stalled_step_moves_the_model_little():
     p = AdaptivePolicy(costs(), max_k=4)
     p.observe_costs(1, 1, 0, 0, 0.0, 1000.0)  # a 1000x stall (the machine was busy)
     assert p.scale["plain"] == pytest.approx(1.0 + 0.1 * (4.0 - 1.0))
+
+
+def test_model_free_drafter_settles_k_on_the_drafts_found():
+    flat = CostModel.from_total_tokens((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (1e-5, 1e-5), draft_free=True)
+    p = AdaptivePolicy(flat, max_k=8)
+    reqs = [R("a"), R("b"), R("c")]
+    assert p.choose(reqs) == [8, 8, 8]  # asking is free
+    assert p.trim(reqs, [0, 0, 0]) == [0, 0, 0]
+    # a flat pass: every draft found is worth verifying
+    assert p.trim(reqs, [5, 0, 2]) == [5, 0, 2]
+    # a pass that costs 1.5x per extra token per row: one modest row cannot pay for it
+    bp, tp = (1, 3), tuple(range(1, 10))
+    steep = CostModel(bp, tp, (tuple(1.0 + 0.5 * (t - 1) for t in tp),) * 2, (1, 3), (1e-5, 1e-5),
+                      draft_free=True)
+    q = AdaptivePolicy(steep, max_k=8)
+    for r in reqs:
+        q.choose([r])
+        q.rows[r.request_id].alpha = 0.5
+    assert q.trim(reqs, [4, 0, 0]) == [0, 0, 0]
+    q.rows["a"].alpha = q.rows["b"].alpha = q.rows["c"].alpha = 0.99
+    assert max(q.trim(reqs, [4, 4, 4])) >= 2  # all rows nearly always right: it pays
+    # a draft model's drafts are never trimmed: choose() already priced them
+    dm = AdaptivePolicy(costs(), max_k=8)
+    assert dm.trim(reqs, [3, 1, 0]) == [3, 1, 0]

@@ -38,6 +38,9 @@ class PhasedPolicy:
         if hasattr(self.inner, "observe_costs"):
             self.inner.observe_costs(*args)
 
+    def trim(self, requests, found):
+        return self.inner.trim(requests, found) if hasattr(self.inner, "trim") else list(found)
+
 
 def context_prompts(ctx: AuditContext, rows: int, n_tokens: int) -> list[list[int]]:
     """rows prompts of about n_tokens tokens each (after prompt formatting): a real task from

@@ -168,6 +168,9 @@ class Engine:
         # 3. verify all rows in ONE target pass over [pending, d_1..d_k]; a drafter may
         #    find fewer drafts than asked (prompt lookup without a match): no pass pays
         #    for padding columns that no row uses
+        if K > 0 and hasattr(self.policy, "trim"):  # a policy may settle k once drafts are found
+            num = torch.minimum(num, torch.tensor(self.policy.trim(reqs, num.tolist()), dtype=torch.long))
+            k = num.tolist()  # what the policy settled on is what it asked for
         K = int(num.max())
         drafts = drafts[:, :K]
         q = None if q is None else q[:, :K]

@@ -55,6 +55,9 @@ class CostModel:
     target_s: tuple[tuple[float, ...], ...]  # [len(batch_pts)][len(token_pts)]
     draft_rows: tuple[int, ...]
     draft_s: tuple[float, ...]
+    # a model-free drafter (prompt lookup): proposing costs ~nothing, so the policy asks
+    # for max_k and settles the verified length per step from the drafts actually found
+    draft_free: bool = False
 
     def __post_init__(self):
         if len(self.target_s) != len(self.batch_pts) or any(len(r) != len(self.token_pts) for r in self.target_s):
@@ -64,11 +67,11 @@ class CostModel:
 
     @classmethod
     def from_total_tokens(cls, rows, secs, draft_rows, draft_s, *, max_batch: int = 64,
-                          max_tokens: int = 17) -> "CostModel":
+                          max_tokens: int = 17, draft_free: bool = False) -> "CostModel":
         """A synthetic model whose pass costs f(B * T), f piecewise linear through (rows, secs)."""
         bp, tp = tuple(range(1, max_batch + 1)), tuple(range(1, max_tokens + 1))
         grid = tuple(tuple(float(_interp(b * t, rows, secs)) for t in tp) for b in bp)
-        return cls(bp, tp, grid, tuple(draft_rows), tuple(draft_s))
+        return cls(bp, tp, grid, tuple(draft_rows), tuple(draft_s), draft_free=draft_free)
 
     def target(self, B: int, T):
         """Seconds of one target pass over B rows x T tokens (T: a number or an array)."""
@@ -145,7 +148,8 @@ def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = 16
         def prop(m):
             return lambda: drafter.propose(list(range(m)), seqs[:m], [max_k] * m, [greedy] * m, [None] * m)
         d_s = [t / max_k for t in timed_grid([prop(m) for m in d_pts])]
-    return CostModel(tuple(bps), tuple(tps), grid, tuple(d_pts), tuple(d_s))
+    free = not isinstance(drafter, (DraftModelDrafter, LayerSkipDrafter))
+    return CostModel(tuple(bps), tuple(tps), grid, tuple(d_pts), tuple(d_s), draft_free=free)
 
 
 class _RowState:
@@ -246,6 +250,10 @@ class AdaptivePolicy:
         return max(self.min_probe, int(np.ceil(extra / 0.01)))
 
     def choose(self, requests) -> list[int]:
+        if self.costs.draft_free:  # asking costs nothing: trim() decides once drafts are found
+            for r in requests:
+                self._state(r).probing = False
+            return [self.max_k] * len(requests)
         states = [self._state(r) for r in requests]
         choice = self.best_choice(np.array([s.alpha for s in states]))
         for s in states:
@@ -259,6 +267,39 @@ class AdaptivePolicy:
                 if choice[i] == 0 and 2 * s.idle >= max(s.probe_every, floor):
                     choice[i], s.probing = 1, True
         return choice
+
+    def trim(self, requests, found: list[int]) -> list[int]:
+        """For a model-free drafter, after proposing and before verifying: how many of the
+        drafts found per row to verify. The drafts found are the drafter's own output, not
+        the target's verdict, so deciding on them keeps the policy non-anticipating. Every
+        row keeps up to j drafts, for the j that maximises expected tokens per second of a
+        pass over j + 1 tokens per row (rows without a match cost that pass nothing more)."""
+        if not self.costs.draft_free:
+            return list(found)
+        states = [self._state(r) for r in requests]
+        B, J = len(states), min(max(found, default=0), self.max_k)
+        if J == 0:  # nothing found anywhere: a plain step (observe() counts it as idle)
+            for s in states:
+                s.probing = False
+            return [0] * B
+        alphas = np.array([s.alpha for s in states])
+        E = self.expected_tokens(alphas)  # [B, K+1]
+        f = np.minimum(np.asarray(found), J)
+        tokens = np.array([E[np.arange(B), np.minimum(f, j)].sum() for j in range(J + 1)])  # [J+1]
+        t_pass = self._pass_costs(B)[0][: J + 1]
+        rate = tokens / t_pass
+        j = int(np.argmax(rate))
+        if rate[j] <= rate[0] * (1.0 + self.min_gain):
+            j = 0
+        floor = self.probe_interval(B)
+        due = [b for b, s in enumerate(states) if f[b] > 0 and s.idle >= max(s.probe_every, floor)]
+        for s in states:
+            s.probing = False
+        if j == 0 and due:
+            j = 1
+            for b in due:
+                states[b].probing = True
+        return [int(min(fb, j)) for fb in f]
 
     def observe(self, requests, k, accepted) -> None:
         for r, kb, ab in zip(requests, k, accepted):

@@ -53,6 +53,9 @@ class PerRequestPolicy:
         if hasattr(self.inner, "observe_costs"):
             self.inner.observe_costs(*args)
 
+    def trim(self, requests, found):
+        return self.inner.trim(requests, found) if hasattr(self.inner, "trim") else list(found)
+
 
 @dataclass
 class StepStats:
