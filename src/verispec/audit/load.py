@@ -13,18 +13,18 @@ from __future__ import annotations
 import time
 
 from ..engine import GenerationParams, Request
+from ..policy import PolicyWrapper
 from .checks import CheckResult
 from .context import AuditContext, encode
 from .suite import slices
 
 
-class PhasedPolicy:
+class PhasedPolicy(PolicyWrapper):
     """Policy (see policy/): the audited policy (fixed k or adaptive) in the speculative
     phase, 0 drafts in the plain one. The sweep flips `speculative` between engine steps."""
 
     def __init__(self, inner):
-        self.inner = inner
-        self.max_k = inner.max_k
+        super().__init__(inner)
         self.speculative = False
 
     def choose(self, requests):
@@ -33,13 +33,6 @@ class PhasedPolicy:
     def observe(self, requests, k, accepted):
         if self.speculative:
             self.inner.observe(requests, k, accepted)
-
-    def observe_costs(self, *args):
-        if hasattr(self.inner, "observe_costs"):
-            self.inner.observe_costs(*args)
-
-    def trim(self, requests, found):
-        return self.inner.trim(requests, found) if hasattr(self.inner, "trim") else list(found)
 
 
 def context_prompts(ctx: AuditContext, rows: int, n_tokens: int) -> list[list[int]]:

@@ -35,3 +35,25 @@ class FixedK:
 
     def observe(self, requests, k, accepted):
         pass
+
+
+class PolicyWrapper:
+    """Base for a policy that wraps another: the optional hooks an engine looks for
+    (observe_costs, trim) pass through to the wrapped policy when it has them."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.max_k = inner.max_k
+
+    def choose(self, requests):
+        return self.inner.choose(requests)
+
+    def observe(self, requests, k, accepted):
+        self.inner.observe(requests, k, accepted)
+
+    def observe_costs(self, *args):
+        if hasattr(self.inner, "observe_costs"):
+            self.inner.observe_costs(*args)
+
+    def trim(self, requests, found):
+        return self.inner.trim(requests, found) if hasattr(self.inner, "trim") else list(found)

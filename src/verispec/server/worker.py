@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..engine import Request
+from ..policy import PolicyWrapper
 from .metrics import Metrics
 from .text import IncrementalDecoder, StopStrings
 
@@ -35,26 +36,12 @@ class ServerRequest(Request):
     speculate: bool = True
 
 
-class PerRequestPolicy:
+class PerRequestPolicy(PolicyWrapper):
     """Wraps the engine's policy: rows whose request turned speculation off draft k = 0."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.max_k = inner.max_k
 
     def choose(self, requests):
         ks = self.inner.choose(requests)
         return [k if getattr(r, "speculate", True) else 0 for k, r in zip(ks, requests)]
-
-    def observe(self, requests, k, accepted):
-        self.inner.observe(requests, k, accepted)
-
-    def observe_costs(self, *args):
-        if hasattr(self.inner, "observe_costs"):
-            self.inner.observe_costs(*args)
-
-    def trim(self, requests, found):
-        return self.inner.trim(requests, found) if hasattr(self.inner, "trim") else list(found)
 
 
 @dataclass
