@@ -22,7 +22,7 @@ from common import suite_prompts
 from tqdm import tqdm
 
 from verispec.drafters import make_drafter
-from verispec.engine import Engine, EngineConfig, GenerationParams, Request
+from verispec.engine import Engine, EngineConfig, GenerationParams, PromptCache, Request
 from verispec.models import load_model
 from verispec.policy import FixedK
 from verispec.policy.adaptive import AdaptivePolicy, measure_costs
@@ -38,7 +38,8 @@ def main():
     ap.add_argument("--slices", default=None, help="comma list (default: all 8)")
     ap.add_argument("--load", type=int, default=2,
                     help="requests per batch slot: freed rows are refilled, as in a server (1 = one closed batch)")
-    ap.add_argument("--rounds", type=int, default=1, help="repeat every configuration, interleaved; median")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="repeat every configuration, interleaved; median of the per-round ratios")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -56,6 +57,11 @@ def main():
     max_len = max(len(x) for v in by_slice.values() for x in v) + args.max_new
     drafter = make_drafter(args.draft, target, tok, max_rows=max(batches), max_len=max_len + kmax + 2,
                            progress=False)
+    # every configuration of a cell prefills the same prompts: prefill each once, and
+    # restore the snapshot after (prefill is excluded from the figures anyway)
+    prompt_cache = PromptCache(max_tokens=1 << 20)
+    if hasattr(drafter, "prompt_cache"):
+        drafter.prompt_cache = PromptCache(max_tokens=1 << 20)
     costs = {b: measure_costs(target, drafter, b, kmax) for b in batches}
     # one policy per batch size for the whole run, as a server keeps one: what it learns
     # about the drafter and its measured step times carries from request to request
@@ -72,15 +78,17 @@ def main():
         n_req = b * args.load
         ids = (by_slice[sl] * ((n_req + len(by_slice[sl]) - 1) // len(by_slice[sl])))[:n_req]
         runs = defaultdict(list)
-        for _ in range(args.rounds):
-            for cfg in configs:
+        for rnd in range(args.rounds):
+            # rotate the order each round: no configuration always runs first or last
+            for cfg in configs[rnd % len(configs):] + configs[:rnd % len(configs)]:
                 if cfg == "plain":
                     d, pol = None, FixedK(0)
                 elif cfg == "adaptive":
                     d, pol = drafter, adaptive[b]
                 else:
                     d, pol = drafter, FixedK(int(cfg[2:]))
-                eng = Engine(target, d, pol, EngineConfig(max_batch=b, max_len=max_len))
+                eng = Engine(target, d, pol, EngineConfig(max_batch=b, max_len=max_len),
+                             prompt_cache=prompt_cache)
                 reqs = [Request(x, GenerationParams(max_new_tokens=args.max_new, ignore_eos=True)) for x in ids]
                 t = time.perf_counter()
                 eng.run(reqs)
@@ -91,12 +99,18 @@ def main():
                 if cfg == "adaptive":
                     ks = [k for r in reqs for k in r.stats.k_chosen]
                     chosen[(sl, b)] = sum(ks) / len(ks)
-        tps[(sl, b)] = {c: statistics.median(v) for c, v in runs.items()}
+        # a ratio is taken within a round (configurations side by side), then the median
+        # over rounds: a slow spell of the machine moves a round's ratios far less than
+        # its throughputs
+        tps[(sl, b)] = {"plain": statistics.median(runs["plain"])}
+        tps[(sl, b)].update({c: tps[(sl, b)]["plain"] * statistics.median(
+            [x / p for x, p in zip(runs[c], runs["plain"])]) for c in configs[1:]})
         d = tps[(sl, b)]
         tqdm.write(f"batch {b:>2} {sl:<14} plain {d['plain']:.2f} tok/s; " + ", ".join(
             f"{c} {d[c] / d['plain']:.2f}x" for c in configs[1:]), file=sys.stdout)
     print(f"\n{args.target} with {args.draft}, greedy, {args.max_new} new tokens, chat template; "
-          f"decode throughput (prefill excluded), {args.load} requests per batch slot, median of {args.rounds}; "
+          f"decode throughput (prefill excluded), {args.load} requests per batch slot; median over {args.rounds} "
+          f"interleaved rounds of the ratio to plain decoding in the same round; "
           f"speedup over plain decoding (adaptive: mean k chosen)")
     print("| batch | slice | plain tok/s | " + " | ".join(configs[1:]) + " | adaptive / best fixed |")
     print("|---" * (len(configs) + 3) + "|")

@@ -38,6 +38,7 @@ class DraftModelDrafter:
         self.name = name
         self.target_vocab = target_vocab
         self.cache = model.new_cache(max_rows, max_len)
+        self.prompt_cache = None  # engine.prompt_cache.PromptCache: prefills to reuse
 
     def admit(self, rows, tokens):
         """Prefill the draft cache with each prompt but its pending (last) token, as the
@@ -46,12 +47,16 @@ class DraftModelDrafter:
         for r in rows:
             self.cache.in_use[r] = True
             self.cache.lengths[r] = 0
-        lens = [len(t) - 1 for t in tokens]
+        pc = self.prompt_cache
+        todo = [b for b, t in enumerate(tokens) if pc is None or not pc.restore(self.cache, rows[b], t[:-1])]
+        lens = [len(tokens[b]) - 1 for b in todo]
         if max(lens, default=0) > 0:
-            x = torch.zeros(len(rows), max(lens), dtype=torch.long)  # [B,T]
-            for b, t in enumerate(tokens):
-                x[b, :lens[b]] = torch.tensor(t[:-1])
-            self.model.forward(x, self.cache, list(rows), lens, last_only=True)
+            x = torch.zeros(len(todo), max(lens), dtype=torch.long)  # [B,T]
+            for i, b in enumerate(todo):
+                x[i, :lens[i]] = torch.tensor(tokens[b][:-1])
+            self.model.forward(x, self.cache, [rows[b] for b in todo], lens, last_only=True)
+            for b in todo if pc is not None else ():
+                pc.save(self.cache, rows[b], tokens[b][:-1])
 
     def propose(self, rows, tokens, k, sampling, generators):
         B, K = len(rows), max(k, default=0)

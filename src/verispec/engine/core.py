@@ -61,8 +61,10 @@ class StepTimes:
 
 
 class Engine:
-    def __init__(self, target, drafter=None, policy=None, config: EngineConfig = EngineConfig()):
+    def __init__(self, target, drafter=None, policy=None, config: EngineConfig = EngineConfig(),
+                 prompt_cache=None):
         self.target = target
+        self.prompt_cache = prompt_cache  # engine.prompt_cache.PromptCache: prefills to reuse
         self.drafter = drafter
         self.policy = policy if policy is not None else FixedK(0 if drafter is None else 4)
         if drafter is None and self.policy.max_k > 0:
@@ -126,12 +128,18 @@ class Engine:
             r.row, r._t0 = row, t0
         # prefill all but the pending token (the last prompt token)
         lens = [len(r.prompt_ids) - 1 for r in new]
+        pc = self.prompt_cache
         try:
-            if max(lens) > 0:
-                x = torch.zeros(len(new), max(lens), dtype=torch.long)  # [B,T]
-                for b, r in enumerate(new):
-                    x[b, :lens[b]] = torch.tensor(r.prompt_ids[:-1])
-                self.target.forward(x, self.cache, rows, lens, last_only=True)
+            todo = [b for b, r in enumerate(new)  # rows a snapshot cannot fill
+                    if pc is None or not pc.restore(self.cache, rows[b], r.prompt_ids[:-1])]
+            if todo and max(lens[b] for b in todo) > 0:
+                x = torch.zeros(len(todo), max(lens[b] for b in todo), dtype=torch.long)  # [B,T]
+                for i, b in enumerate(todo):
+                    x[i, :lens[b]] = torch.tensor(new[b].prompt_ids[:-1])
+                self.target.forward(x, self.cache, [rows[b] for b in todo], [lens[b] for b in todo],
+                                    last_only=True)
+                for b in todo if pc is not None else ():
+                    pc.save(self.cache, rows[b], new[b].prompt_ids[:-1])
             if self.drafter is not None:
                 self.drafter.admit(rows, [r.tokens for r in new])
         except Exception:  # nobody holds these rows now: free them before reporting the failure

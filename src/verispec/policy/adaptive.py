@@ -8,17 +8,22 @@ verdicts of a step reach it only through observe(), after the step):
   step's longest draft, so a step whose longest draft is k costs target(B, k + 1)
   whichever rows draft), and the drafter's time per draft token as a function of the
   rows drafting;
-- each row's running acceptance: an exponential average of the probability that a
-  draft token is accepted given the ones before it were.
+- each row's running acceptance per draft position: an exponential average of the
+  probability that draft i is accepted given drafts 1..i-1 were. Per position, because
+  acceptance is not geometric: a prompt-lookup draft that survives its first tokens is
+  usually a copy that goes on, and a draft model's later drafts condition on its own
+  guesses. A new row starts from what the drafter has done lately (the same averages
+  over every row), so a drafter that never pays is not re-learned with every request.
 
 For a candidate choice "the m rows most likely to accept draft k tokens, the rest
-draft none", expected emitted tokens are sum_b (1 + a_b + ... + a_b^k) and the cost
-is k * t_draft(m) + t_target(B, k + 1); the best (m, k), k = 0 included, wins, and a
-choice must beat plain decoding's rate by a margin of 5% (the cost model is a
+draft none", expected emitted tokens are sum_b (1 + a_b1 + a_b1 a_b2 + ...) and the
+cost is k * t_draft(m) + t_target(B, k + 1); the best (m, k), k = 0 included, wins, and
+a choice must beat plain decoding's rate by a margin of 5% (the cost model is a
 measurement, not the truth). Rows whose drafts keep failing fall out of the top m;
 they are probed again with one draft token after an interval that doubles with every
-failed probe. Probes are gathered into shared steps (a probe pays for a padded pass,
-which then costs the same for every row that probes in it).
+failed probe and is never so short that probes cost the batch over 1% of its time.
+Probes are gathered into shared steps (a probe pays for a padded pass, which then
+costs the same for every row that probes in it).
 """
 
 from __future__ import annotations
@@ -153,47 +158,79 @@ def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = 16
 
 
 class _RowState:
-    __slots__ = ("alpha", "idle", "probe_every", "probing")
+    """A row's acceptance per draft position, as exponentially forgotten counts of
+    accepted (s) and tried (n) drafts: alpha_i = s_i / n_i. A new row starts from
+    pseudo-counts, `strength` trials at the drafter's recent figures, which are forgotten
+    like real trials: a row with few trials follows the drafter, one with many follows
+    itself, over about its last 1 / decay drafting steps."""
 
-    def __init__(self, alpha: float):
-        self.alpha = alpha
+    __slots__ = ("s", "n", "idle", "probe_every", "probing")
+
+    def __init__(self, prior: np.ndarray, strength: float, min_probe: int):
+        self.n = np.full(len(prior), float(strength))  # [K] drafts tried at position i
+        self.s = self.n * prior  # [K] drafts accepted at position i
         self.idle = 0  # steps since this row last drafted
-        self.probe_every = 8
+        self.probe_every = min_probe
         self.probing = False
+
+    @property
+    def alpha(self) -> np.ndarray:
+        """[K]: P(draft i accepted | the drafts before it were)."""
+        return self.s / self.n
+
+    def assume(self, alpha, trials: float = 1e6) -> None:
+        """Set the row's record to `trials` drafts per position at acceptance alpha (tests)."""
+        self.n[:] = trials
+        self.s[:] = np.asarray(alpha, dtype=np.float64) * trials
 
 
 class AdaptivePolicy:
-    def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, decay: float = 0.3,
+    def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, decay: float = 0.2,
                  min_probe: int = 8, max_probe: int = 128, min_gain: float = 0.05):
         if max_k < 1:
             raise ValueError("max_k must be >= 1")
         self.costs, self.max_k, self.prior, self.decay = costs, max_k, prior, decay
         self.min_probe, self.max_probe = min_probe, max_probe
         self.min_gain = min_gain  # a choice must beat plain decoding's modelled rate by this
+        self.probe_budget = 0.005  # share of a step's time one probe interval may spend probing
         self._cache: dict[int, tuple] = {}
         self.scale = {"plain": 1.0, "wide": 1.0, "draft": 1.0}  # measured / modelled time
         self.calibration = 0.1  # weight of each step's measurement in those ratios
         self.rows: dict[str, _RowState] = {}
-        self.global_alpha = prior  # new rows start from what this drafter has done lately
+        # new rows start from what this drafter has done lately, per draft position
+        self.global_alpha = np.full(max_k, float(prior))
+        self.global_decay = 0.1
+        self.prior_strength = 2.0  # trials' worth of weight the drafter's figures carry in a new row
 
     def _state(self, req) -> _RowState:
         st = self.rows.get(req.request_id)
         if st is None:
-            st = self.rows[req.request_id] = _RowState(self.global_alpha)
+            st = self.rows[req.request_id] = _RowState(self.global_alpha, self.prior_strength, self.min_probe)
         return st
 
-    def expected_tokens(self, alphas: np.ndarray) -> np.ndarray:
-        """alphas [B] -> E [B, max_k+1]: expected tokens emitted with k drafts (k = 0..max_k)."""
-        powers = alphas[:, None] ** np.arange(self.max_k + 1)[None, :]  # [B, K+1]
-        return np.cumsum(powers, axis=1)
+    def _alphas(self, states) -> np.ndarray:
+        """[B, K]: each row's acceptance per draft position."""
+        return np.stack([s.alpha for s in states])
 
-    def best_choice(self, alphas: np.ndarray) -> list[int]:
-        """The (m rows, k drafts) that maximises expected tokens per second."""
-        B = len(alphas)
-        order = np.argsort(-alphas, kind="stable")
-        E = self.expected_tokens(alphas[order])  # [B, K+1] sorted by alpha
-        gain = np.cumsum(E - 1.0, axis=0)  # [B, K+1]: extra tokens when the top m draft k
-        m = np.arange(1, B + 1)[:, None]  # [B,1]
+    def _per_position(self, alphas) -> np.ndarray:
+        """[B] (one acceptance for every position) or [B, max_k] -> [B, max_k]."""
+        a = np.asarray(alphas, dtype=np.float64)
+        return np.repeat(a[:, None], self.max_k, axis=1) if a.ndim == 1 else a
+
+    def expected_tokens(self, alphas) -> np.ndarray:
+        """alphas [B] or [B, max_k] -> E [B, max_k+1]: expected tokens emitted with k
+        drafts (k = 0..max_k): 1 + a_1 + a_1 a_2 + ... + a_1...a_k."""
+        a = self._per_position(alphas)
+        survive = np.cumprod(a, axis=1)  # [B, K]: P(first i drafts all accepted)
+        return np.cumsum(np.concatenate([np.ones((len(a), 1)), survive], axis=1), axis=1)
+
+    def best_choice(self, alphas) -> list[int]:
+        """The (m rows, k drafts) that maximises expected tokens per second; for each k,
+        the m rows are those that gain most from k drafts."""
+        E = self.expected_tokens(alphas)  # [B, K+1]
+        B = len(E)
+        order = np.argsort(-(E - 1.0), axis=0, kind="stable")  # [B, K+1]: rows by gain, per k
+        gain = np.cumsum(np.take_along_axis(E - 1.0, order, axis=0), axis=0)  # top m draft k
         k = np.arange(self.max_k + 1)[None, :]  # [1,K+1]
         tokens = B + gain  # [B, K+1]
         t_pass, t_draft = self._pass_costs(B)
@@ -203,7 +240,7 @@ class AdaptivePolicy:
         i, j = np.unravel_index(int(np.argmax(rate)), rate.shape)
         choice = [0] * B
         if rate[i, j] > base * (1.0 + self.min_gain) and j > 0:
-            for b in order[: i + 1]:
+            for b in order[: i + 1, j]:
                 choice[int(b)] = int(j)
         return choice
 
@@ -243,11 +280,13 @@ class AdaptivePolicy:
             self.scale[key] = (1 - self.calibration) * self.scale[key] + self.calibration * ratio
 
     def probe_interval(self, B: int) -> int:
-        """Idle steps before a row left out is probed: min_probe, or longer where a probe's
-        wider pass is dear (it must cost the batch under 1% of its time)."""
-        t = self._pass_costs(B)[0]
-        extra = float(t[1] / t[0]) - 1.0 if len(t) > 1 else 0.0
-        return max(self.min_probe, int(np.ceil(extra / 0.01)))
+        """Idle steps before a row left out is probed: min_probe, or longer where a probe
+        is dear. Its wider pass and its draft token must cost the batch under 0.5% of its
+        time per interval: with rows out of phase, probes gather in about two steps per
+        interval, which keeps them near 1%."""
+        t, d = self._pass_costs(B)
+        extra = (float(t[1]) - float(t[0]) + float(d[0])) / float(t[0]) if len(t) > 1 else 0.0
+        return min(max(self.min_probe, int(np.ceil(extra / self.probe_budget))), 100 * self.max_probe)
 
     def choose(self, requests) -> list[int]:
         if self.costs.draft_free:  # asking costs nothing: trim() decides once drafts are found
@@ -255,7 +294,7 @@ class AdaptivePolicy:
                 self._state(r).probing = False
             return [self.max_k] * len(requests)
         states = [self._state(r) for r in requests]
-        choice = self.best_choice(np.array([s.alpha for s in states]))
+        choice = self.best_choice(self._alphas(states))
         for s in states:
             s.probing = False
         # a rare, cheap probe of rows left out; when one row is due, the rows halfway to
@@ -282,8 +321,7 @@ class AdaptivePolicy:
             for s in states:
                 s.probing = False
             return [0] * B
-        alphas = np.array([s.alpha for s in states])
-        E = self.expected_tokens(alphas)  # [B, K+1]
+        E = self.expected_tokens(self._alphas(states))  # [B, K+1]
         f = np.minimum(np.asarray(found), J)
         tokens = np.array([E[np.arange(B), np.minimum(f, j)].sum() for j in range(J + 1)])  # [J+1]
         t_pass = self._pass_costs(B)[0][: J + 1]
@@ -307,12 +345,16 @@ class AdaptivePolicy:
             if kb == 0:
                 st.idle += 1
                 continue
-            # conditional acceptance: ab successes in a row, then a failure if ab < kb
-            trials = ab + (1 if ab < kb else 0)
-            rate = ab / trials
-            w = 1.0 - (1.0 - self.decay) ** trials
-            st.alpha = (1 - w) * st.alpha + w * rate
-            self.global_alpha = 0.9 * self.global_alpha + 0.1 * rate
+            # conditional acceptance per position: positions 1..ab accepted, position
+            # ab+1 rejected if ab < kb; later positions were not tried
+            n = min(ab + (1 if ab < kb else 0), self.max_k)
+            seen = np.zeros(n)
+            seen[:ab] = 1.0
+            st.s *= 1.0 - self.decay  # forget a little per step drafted
+            st.n *= 1.0 - self.decay
+            st.s[:n] += seen
+            st.n[:n] += 1.0
+            self.global_alpha[:n] += self.global_decay * (seen - self.global_alpha[:n])
             if st.probing:
                 st.probe_every = (self.min_probe if ab > 0
                                   else min(2 * st.probe_every, self.max_probe))

@@ -1,0 +1,63 @@
+"""An exact-prompt KV cache: the prefilled keys and values of prompts seen before.
+
+A request whose prompt (all but its pending last token) was prefilled before gets its
+cache row copied from the snapshot instead of a new prefill forward. Only exact matches
+count (no partial prefixes), so a hit needs no attention over a partially cached
+sequence. Bounded by a token budget, least recently used out first.
+
+The snapshot holds what a prefill computed once. Outside batch-invariant mode the float
+values a prefill computes can depend on which prompts shared its batch, so a restored
+row equals *a* prefill of its prompt, the one that was snapshotted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+
+class PromptCache:
+    def __init__(self, max_tokens: int = 1 << 16):
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        self.max_tokens = max_tokens
+        self._store: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._tokens = 0
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def restore(self, cache, row: int, ids) -> bool:
+        """Fill cache row `row` with the snapshot of `ids`; False if there is none."""
+        key = tuple(ids)
+        hit = self._store.get(key)
+        if hit is None or not key:
+            self.misses += 1
+            return False
+        self._store.move_to_end(key)
+        k, v = hit  # [L, Hkv, T, D]
+        T = k.shape[2]
+        if T > cache.max_len:
+            self.misses += 1
+            return False
+        cache.k[:, row, :, :T] = k
+        cache.v[:, row, :, :T] = v
+        cache.lengths[row] = T
+        self.hits += 1
+        return True
+
+    def save(self, cache, row: int, ids) -> None:
+        """Snapshot cache row `row`, which holds the prefill of exactly `ids`."""
+        key = tuple(ids)
+        T = len(key)
+        if T == 0 or T > self.max_tokens or key in self._store:
+            return
+        if int(cache.lengths[row]) != T:
+            raise ValueError(f"row {row} holds {int(cache.lengths[row])} tokens, not the {T} given")
+        self._store[key] = (cache.k[:, row, :, :T].clone(), cache.v[:, row, :, :T].clone())
+        self._tokens += T
+        while self._tokens > self.max_tokens:
+            old, _ = self._store.popitem(last=False)
+            self._tokens -= len(old)
