@@ -38,6 +38,8 @@ def main():
     ap.add_argument("--slices", default=None, help="comma list (default: all 8)")
     ap.add_argument("--load", type=int, default=2,
                     help="requests per batch slot: freed rows are refilled, as in a server (1 = one closed batch)")
+    ap.add_argument("--max-requests", type=int, default=None,
+                    help="cap on requests per cell (batch x load), to keep large batches affordable")
     ap.add_argument("--rounds", type=int, default=3,
                     help="repeat every configuration, interleaved; median of the per-round ratios")
     ap.add_argument("--json", default=None)
@@ -75,7 +77,7 @@ def main():
     chosen = defaultdict(list)
     cells = [(s, b) for b in batches for s in by_slice]
     for sl, b in tqdm(cells, desc="cells"):
-        n_req = b * args.load
+        n_req = min(b * args.load, args.max_requests or b * args.load)
         ids = (by_slice[sl] * ((n_req + len(by_slice[sl]) - 1) // len(by_slice[sl])))[:n_req]
         runs = defaultdict(list)
         for rnd in range(args.rounds):
@@ -109,7 +111,8 @@ def main():
         tqdm.write(f"batch {b:>2} {sl:<14} plain {d['plain']:.2f} tok/s; " + ", ".join(
             f"{c} {d[c] / d['plain']:.2f}x" for c in configs[1:]), file=sys.stdout)
     print(f"\n{args.target} with {args.draft}, greedy, {args.max_new} new tokens, chat template; "
-          f"decode throughput (prefill excluded), {args.load} requests per batch slot; median over {args.rounds} "
+          f"decode throughput (prefill excluded), {args.load} requests per batch slot"
+          f"{f' (at most {args.max_requests} per cell)' if args.max_requests else ''}; median over {args.rounds} "
           f"interleaved rounds of the ratio to plain decoding in the same round; "
           f"speedup over plain decoding (adaptive: mean k chosen)")
     print("| batch | slice | plain tok/s | " + " | ".join(configs[1:]) + " | adaptive / best fixed |")

@@ -8,12 +8,14 @@ verdicts of a step reach it only through observe(), after the step):
   step's longest draft, so a step whose longest draft is k costs target(B, k + 1)
   whichever rows draft), and the drafter's time per draft token as a function of the
   rows drafting;
-- each row's running acceptance per draft position: an exponential average of the
-  probability that draft i is accepted given drafts 1..i-1 were. Per position, because
-  acceptance is not geometric: a prompt-lookup draft that survives its first tokens is
-  usually a copy that goes on, and a draft model's later drafts condition on its own
-  guesses. A new row starts from what the drafter has done lately (the same averages
-  over every row), so a drafter that never pays is not re-learned with every request.
+- each row's running acceptance per draft position: the probability that draft i is
+  accepted given drafts 1..i-1 were, from exponentially forgotten counts. Per position,
+  because acceptance is not geometric: a prompt-lookup draft that survives its first
+  tokens is usually a copy that goes on. Each estimate is shrunk toward the level above
+  it (row and position -> row -> drafter -> prior), so a new row starts from what the
+  drafter has done lately (a drafter that never pays is not re-learned with every
+  request), and a row that accepts its first drafts well is expected to accept later
+  ones well before it has tried them (or it would never try them).
 
 For a candidate choice "the m rows most likely to accept draft k tokens, the rest
 draft none", expected emitted tokens are sum_b (1 + a_b1 + a_b1 a_b2 + ...) and the
@@ -158,25 +160,17 @@ def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = 16
 
 
 class _RowState:
-    """A row's acceptance per draft position, as exponentially forgotten counts of
-    accepted (s) and tried (n) drafts: alpha_i = s_i / n_i. A new row starts from
-    pseudo-counts, `strength` trials at the drafter's recent figures, which are forgotten
-    like real trials: a row with few trials follows the drafter, one with many follows
-    itself, over about its last 1 / decay drafting steps."""
+    """A row's record per draft position: exponentially forgotten counts of drafts
+    accepted (s) and tried (n) at that position, given the ones before it were accepted."""
 
     __slots__ = ("s", "n", "idle", "probe_every", "probing")
 
-    def __init__(self, prior: np.ndarray, strength: float, min_probe: int):
-        self.n = np.full(len(prior), float(strength))  # [K] drafts tried at position i
-        self.s = self.n * prior  # [K] drafts accepted at position i
+    def __init__(self, max_k: int, min_probe: int):
+        self.s = np.zeros(max_k)  # [K]
+        self.n = np.zeros(max_k)  # [K]
         self.idle = 0  # steps since this row last drafted
         self.probe_every = min_probe
         self.probing = False
-
-    @property
-    def alpha(self) -> np.ndarray:
-        """[K]: P(draft i accepted | the drafts before it were)."""
-        return self.s / self.n
 
     def assume(self, alpha, trials: float = 1e6) -> None:
         """Set the row's record to `trials` drafts per position at acceptance alpha (tests)."""
@@ -185,7 +179,7 @@ class _RowState:
 
 
 class AdaptivePolicy:
-    def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, decay: float = 0.2,
+    def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, decay: float = 0.1,
                  min_probe: int = 8, max_probe: int = 128, min_gain: float = 0.05):
         if max_k < 1:
             raise ValueError("max_k must be >= 1")
@@ -197,20 +191,41 @@ class AdaptivePolicy:
         self.scale = {"plain": 1.0, "wide": 1.0, "draft": 1.0}  # measured / modelled time
         self.calibration = 0.1  # weight of each step's measurement in those ratios
         self.rows: dict[str, _RowState] = {}
-        # new rows start from what this drafter has done lately, per draft position
-        self.global_alpha = np.full(max_k, float(prior))
-        self.global_decay = 0.1
-        self.prior_strength = 2.0  # trials' worth of weight the drafter's figures carry in a new row
+        # the drafter's record over every row, per draft position (forgotten per row-step)
+        self.gs, self.gn = np.zeros(max_k), np.zeros(max_k)
+        self.global_keep = 0.98
+        self.global_strength = 5.0  # trials' worth of weight of the prior in the drafter's figures
+        self.row_strength = 1.0  # expected acceptances' worth of weight of the drafter in a row's
 
     def _state(self, req) -> _RowState:
         st = self.rows.get(req.request_id)
         if st is None:
-            st = self.rows[req.request_id] = _RowState(self.global_alpha, self.prior_strength, self.min_probe)
+            st = self.rows[req.request_id] = _RowState(self.max_k, self.min_probe)
         return st
 
+    @property
+    def global_alpha(self) -> np.ndarray:
+        """[K]: the drafter's acceptance per draft position over every row lately. Each
+        position's record is shrunk toward the position before it (the first toward the
+        prior), so a position no row has tried yet takes the rate of the last one tried,
+        not a fixed guess."""
+        g, prev, c = np.empty(self.max_k), self.prior, self.global_strength
+        for i in range(self.max_k):
+            g[i] = prev = (self.gs[i] + c * prev) / (self.gn[i] + c)
+        return g
+
     def _alphas(self, states) -> np.ndarray:
-        """[B, K]: each row's acceptance per draft position."""
-        return np.stack([s.alpha for s in states])
+        """[B, K]: each row's P(draft i accepted | the drafts before it were), as the
+        drafter's figure per position times the row's level: the row's accepted drafts
+        over those the drafter's figures expected of it (a ratio shrunk toward 1). A new
+        row follows the drafter; a row with a record follows it; and the shape across
+        positions (prompt lookup's all-or-nothing copies) comes from every row's drafts."""
+        g = self.global_alpha  # [K]
+        S = np.stack([st.s for st in states])  # [B,K]
+        N = np.stack([st.n for st in states])  # [B,K]
+        c = self.row_strength
+        level = (S.sum(1) + c) / (N @ g + c)  # [B]
+        return np.clip(level[:, None] * g[None, :], 0.0, 1.0)
 
     def _per_position(self, alphas) -> np.ndarray:
         """[B] (one acceptance for every position) or [B, max_k] -> [B, max_k]."""
@@ -354,7 +369,10 @@ class AdaptivePolicy:
             st.n *= 1.0 - self.decay
             st.s[:n] += seen
             st.n[:n] += 1.0
-            self.global_alpha[:n] += self.global_decay * (seen - self.global_alpha[:n])
+            self.gs *= self.global_keep
+            self.gn *= self.global_keep
+            self.gs[:n] += seen
+            self.gn[:n] += 1.0
             if st.probing:
                 st.probe_every = (self.min_probe if ab > 0
                                   else min(2 * st.probe_every, self.max_probe))
