@@ -131,13 +131,13 @@ def test_grid_shape_validated():
 def test_drafts_not_found_count_as_rejected():
     # prompt lookup without a match drafts nothing though asked for k: the engine reports
     # what was asked, so the row's acceptance falls and it stops asking (bar probes)
-    p = AdaptivePolicy(costs(verify_slope=0.05, draft=0.001, flat_until=1), max_k=8)
+    p = AdaptivePolicy(costs(verify_slope=0.1, draft=0.001, flat_until=1), max_k=8)
     reqs = [R("no-match")]
     assert p.choose(reqs)[0] > 0  # the prior says drafting pays
     for _ in range(20):
         k = p.choose(reqs)
         p.observe(reqs, k, [0])
-    assert p._alphas([p.rows["no-match"]])[0, 0] < 0.1
+    assert p._alphas([p.rows["no-match"]])[0, 0] < 0.2
     assert p.choose(reqs)[0] == 0
 
 

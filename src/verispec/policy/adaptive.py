@@ -195,7 +195,8 @@ class AdaptivePolicy:
         self.gs, self.gn = np.zeros(max_k), np.zeros(max_k)
         self.global_keep = 0.98
         self.global_strength = 5.0  # trials' worth of weight of the prior in the drafter's figures
-        self.row_strength = 1.0  # expected acceptances' worth of weight of the drafter in a row's
+        self.optimism = 0.5  # standard errors added to the drafter's figures (see _optimistic_global)
+        self.row_strength = 3.0  # expected acceptances' worth of weight of the drafter in a row's
 
     def _state(self, req) -> _RowState:
         st = self.rows.get(req.request_id)
@@ -214,13 +215,21 @@ class AdaptivePolicy:
             g[i] = prev = (self.gs[i] + c * prev) / (self.gn[i] + c)
         return g
 
+    def _optimistic_global(self) -> np.ndarray:
+        """[K]: global_alpha plus half a standard error. A position past the k chosen so
+        far is never tried, so an estimate that came out low on a few unlucky drafts
+        would never be corrected; a little optimism where the record is thin makes the
+        policy try it, and vanishes as the record grows."""
+        g = self.global_alpha
+        return np.minimum(g + self.optimism * np.sqrt(g * (1.0 - g) / (self.gn + self.global_strength)), 1.0)
+
     def _alphas(self, states) -> np.ndarray:
         """[B, K]: each row's P(draft i accepted | the drafts before it were), as the
         drafter's figure per position times the row's level: the row's accepted drafts
         over those the drafter's figures expected of it (a ratio shrunk toward 1). A new
         row follows the drafter; a row with a record follows it; and the shape across
         positions (prompt lookup's all-or-nothing copies) comes from every row's drafts."""
-        g = self.global_alpha  # [K]
+        g = self._optimistic_global()  # [K]
         S = np.stack([st.s for st in states])  # [B,K]
         N = np.stack([st.n for st in states])  # [B,K]
         c = self.row_strength
