@@ -40,8 +40,9 @@ def main():
                     help="requests per batch slot: freed rows are refilled, as in a server (1 = one closed batch)")
     ap.add_argument("--max-requests", type=int, default=None,
                     help="cap on requests per cell (batch x load), to keep large batches affordable")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="repeat every configuration, interleaved; median of the per-round ratios")
+    ap.add_argument("--rounds", default="3",
+                    help="repeat every configuration, interleaved; median of the per-round ratios "
+                         "(one number, or one per batch size: small batches are short and noisy)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -49,6 +50,10 @@ def main():
     target, tok = loaded.model, loaded.tokenizer
     batches = [int(b) for b in args.batches.split(",")]
     fixed = [int(k) for k in args.fixed.split(",")]
+    rounds = [int(r) for r in args.rounds.split(",")]
+    if len(rounds) not in (1, len(batches)):
+        ap.error("--rounds takes one number or one per batch size")
+    rounds = dict(zip(batches, rounds * len(batches) if len(rounds) == 1 else rounds))
     kmax = max(fixed)
     prompts = suite_prompts(12, args.slices.split(",") if args.slices else None)
     by_slice = defaultdict(list)
@@ -80,7 +85,7 @@ def main():
         n_req = min(b * args.load, args.max_requests or b * args.load)
         ids = (by_slice[sl] * ((n_req + len(by_slice[sl]) - 1) // len(by_slice[sl])))[:n_req]
         runs = defaultdict(list)
-        for rnd in range(args.rounds):
+        for rnd in range(rounds[b]):
             # rotate the order each round: no configuration always runs first or last
             for cfg in configs[rnd % len(configs):] + configs[:rnd % len(configs)]:
                 if cfg == "plain":
