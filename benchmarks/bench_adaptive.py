@@ -43,6 +43,8 @@ def main():
     ap.add_argument("--rounds", default="3",
                     help="repeat every configuration, interleaved; median of the per-round ratios "
                          "(one number, or one per batch size: small batches are short and noisy)")
+    ap.add_argument("--aa", action="store_true",
+                    help="also run plain decoding a second time as a configuration: the noise floor")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -77,7 +79,10 @@ def main():
     for d, pol in ((None, FixedK(0)), (drafter, FixedK(kmax))):
         Engine(target, d, pol, EngineConfig(max_batch=1, max_len=max_len)).run(
             [Request(x, GenerationParams(max_new_tokens=4, ignore_eos=True)) for x in warm])
-    configs = ["plain"] + [f"k={k}" for k in fixed] + ["adaptive"]
+    # --aa: plain decoding a second time, as if it were a configuration under test; its
+    # ratio to plain is the noise floor of this harness on this machine, cell by cell
+    configs = ["plain"] + (["plain again"] if args.aa else []) + [f"k={k}" for k in fixed] + ["adaptive"]
+    fixed_cfgs = [f"k={k}" for k in fixed]
     tps = defaultdict(dict)  # (slice, batch) -> config -> tok/s
     chosen = defaultdict(list)
     cells = [(s, b) for b in batches for s in by_slice]
@@ -88,7 +93,7 @@ def main():
         for rnd in range(rounds[b]):
             # rotate the order each round: no configuration always runs first or last
             for cfg in configs[rnd % len(configs):] + configs[:rnd % len(configs)]:
-                if cfg == "plain":
+                if cfg in ("plain", "plain again"):
                     d, pol = None, FixedK(0)
                 elif cfg == "adaptive":
                     d, pol = drafter, adaptive[b]
@@ -124,13 +129,16 @@ def main():
     print("|---" * (len(configs) + 3) + "|")
     worst_plain, worst_best = 9e9, 9e9
     for (sl, b), d in tps.items():
-        best = max(d[c] for c in configs[1:-1])
+        best = max(d[c] for c in fixed_cfgs)
         worst_plain = min(worst_plain, d["adaptive"] / d["plain"])
         worst_best = min(worst_best, d["adaptive"] / best)
         print(f"| {b} | {sl} | {d['plain']:.1f} | " + " | ".join(
             f"{d[c] / d['plain']:.2f}x" + (f" (k~{chosen[(sl, b)]:.1f})" if c == "adaptive" else "")
             for c in configs[1:]) + f" | {d['adaptive'] / best:.2f} |")
     print(f"\nworst cell: adaptive / plain = {worst_plain:.2f}x, adaptive / best fixed k = {worst_best:.2f}x")
+    if args.aa:
+        aa = [d["plain again"] / d["plain"] for d in tps.values()]
+        print(f"plain again / plain (noise floor): {min(aa):.2f}x to {max(aa):.2f}x over {len(aa)} cells")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{s}|{b}": d for (s, b), d in tps.items()}, f, indent=1)
