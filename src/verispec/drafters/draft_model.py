@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.prompt_cache import prefill
 from . import draft_from_logits
 
 
@@ -47,16 +48,7 @@ class DraftModelDrafter:
         for r in rows:
             self.cache.in_use[r] = True
             self.cache.lengths[r] = 0
-        pc = self.prompt_cache
-        todo = [b for b, t in enumerate(tokens) if pc is None or not pc.restore(self.cache, rows[b], t[:-1])]
-        lens = [len(tokens[b]) - 1 for b in todo]
-        if max(lens, default=0) > 0:
-            x = torch.zeros(len(todo), max(lens), dtype=torch.long)  # [B,T]
-            for i, b in enumerate(todo):
-                x[i, :lens[i]] = torch.tensor(tokens[b][:-1])
-            self.model.forward(x, self.cache, [rows[b] for b in todo], lens, last_only=True)
-            for b in todo if pc is not None else ():
-                pc.save(self.cache, rows[b], tokens[b][:-1])
+        prefill(self.model, self.cache, list(rows), [t[:-1] for t in tokens], self.prompt_cache)
 
     def propose(self, rows, tokens, k, sampling, generators):
         B, K = len(rows), max(k, default=0)

@@ -17,6 +17,7 @@ import torch
 from ..policy import FixedK
 from ..sampling import keyed_gumbel, logits_to_probs
 from ..verify import LOSSY_RULES, RULES, verify
+from .prompt_cache import prefill
 from .request import Request
 
 
@@ -126,20 +127,8 @@ class Engine:
         rows = self.cache.alloc(len(new))
         for r, row in zip(new, rows):
             r.row, r._t0 = row, t0
-        # prefill all but the pending token (the last prompt token)
-        lens = [len(r.prompt_ids) - 1 for r in new]
-        pc = self.prompt_cache
-        try:
-            todo = [b for b, r in enumerate(new)  # rows a snapshot cannot fill
-                    if pc is None or not pc.restore(self.cache, rows[b], r.prompt_ids[:-1])]
-            if todo and max(lens[b] for b in todo) > 0:
-                x = torch.zeros(len(todo), max(lens[b] for b in todo), dtype=torch.long)  # [B,T]
-                for i, b in enumerate(todo):
-                    x[i, :lens[b]] = torch.tensor(new[b].prompt_ids[:-1])
-                self.target.forward(x, self.cache, [rows[b] for b in todo], [lens[b] for b in todo],
-                                    last_only=True)
-                for b in todo if pc is not None else ():
-                    pc.save(self.cache, rows[b], new[b].prompt_ids[:-1])
+        try:  # prefill all but the pending token (the last prompt token)
+            prefill(self.target, self.cache, rows, [r.prompt_ids[:-1] for r in new], self.prompt_cache)
             if self.drafter is not None:
                 self.drafter.admit(rows, [r.tokens for r in new])
         except Exception:  # nobody holds these rows now: free them before reporting the failure

@@ -61,3 +61,19 @@ class PromptCache:
         while self._tokens > self.max_tokens:
             old, _ = self._store.popitem(last=False)
             self._tokens -= len(old)
+
+
+def prefill(model, cache, rows, seqs, prompt_cache: PromptCache | None = None) -> None:
+    """Fill cache rows (empty) with seqs[b] each, in one batched forward; rows whose
+    sequence prompt_cache holds are restored from it instead, and the rest saved to it."""
+    pc = prompt_cache
+    todo = [b for b, s in enumerate(seqs) if pc is None or not pc.restore(cache, rows[b], s)]
+    lens = [len(seqs[b]) for b in todo]
+    if max(lens, default=0) == 0:
+        return
+    x = torch.zeros(len(todo), max(lens), dtype=torch.long)  # [B,T]
+    for i, b in enumerate(todo):
+        x[i, :lens[i]] = torch.tensor(seqs[b])
+    model.forward(x, cache, [rows[b] for b in todo], lens, last_only=True)
+    for b in todo if pc is not None else ():
+        pc.save(cache, rows[b], seqs[b])

@@ -11,11 +11,13 @@ verdicts of a step reach it only through observe(), after the step):
 - each row's running acceptance per draft position: the probability that draft i is
   accepted given drafts 1..i-1 were, from exponentially forgotten counts. Per position,
   because acceptance is not geometric: a prompt-lookup draft that survives its first
-  tokens is usually a copy that goes on. Each estimate is shrunk toward the level above
-  it (row and position -> row -> drafter -> prior), so a new row starts from what the
-  drafter has done lately (a drafter that never pays is not re-learned with every
-  request), and a row that accepts its first drafts well is expected to accept later
-  ones well before it has tried them (or it would never try them).
+  tokens is usually a copy that goes on. The figure per position is the drafter's
+  (learned over every row; a position nobody tried takes the rate of the one before
+  it, with a little optimism where the record is thin) times the row's own level
+  (accepted over expected, shrunk toward 1). So a new row starts from what the drafter
+  has done lately (a drafter that never pays is not re-learned with every request),
+  and a row that accepts its first drafts well is expected to accept later ones well
+  before it has tried them (or it would never try them).
 
 For a candidate choice "the m rows most likely to accept draft k tokens, the rest
 draft none", expected emitted tokens are sum_b (1 + a_b1 + a_b1 a_b2 + ...) and the
