@@ -25,6 +25,8 @@ def models():
 
 # a cost model where drafting pays, so the policy really drafts (and varies k per row)
 PAYING = CostModel.from_total_tokens((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (0.05, 0.08))
+# the same with a dearer draft token and the drafter's confidence stopping rows (halt())
+HALTING = CostModel.from_total_tokens((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (0.15, 0.25), halts=True)
 
 
 def test_measure_costs_runs(models):
@@ -58,11 +60,26 @@ def reference(models):
     return prompts, max_new, [_hf_reference(models[0], [p], m)[0] for p, m in zip(prompts, max_new)]
 
 
-@pytest.mark.parametrize("batch", [1, 8, 32])
-def test_adaptive_greedy_equals_hf(models, reference, batch):
+class HaltSpy(AdaptivePolicy):
+    """Counts the rows the halt rule stopped before their cap."""
+
+    def halt(self, requests, k, i, active, conf):
+        stop = super().halt(requests, k, i, active, conf)
+        self.halted += sum(s and k[b] > i + 1 for b, s in zip(active, stop))
+        return stop
+
+
+def _policy(halting: bool, max_k: int):
+    p = HaltSpy(HALTING if halting else PAYING, max_k=max_k)
+    p.halted = 0
+    return p
+
+
+@pytest.mark.parametrize("batch,halting", [(1, True), (8, True), (32, True), (8, False)])
+def test_adaptive_greedy_equals_hf(models, reference, batch, halting):
     hf, target, draft = models
     prompts, max_new, refs = reference
-    policy = AdaptivePolicy(PAYING, max_k=6)
+    policy = _policy(halting, 6)
     eng = Engine(target, DraftModelDrafter(draft, V, max_rows=batch, max_len=128), policy,
                  EngineConfig(max_batch=batch, max_len=128))
     reqs = [Request(p, GenerationParams(max_new_tokens=m)) for p, m in zip(prompts, max_new)]
@@ -70,22 +87,40 @@ def test_adaptive_greedy_equals_hf(models, reference, batch):
     assert [r.output_ids for r in reqs] == refs
     ks = {k for r in reqs for k in r.stats.k_chosen}
     assert len(ks) > 1  # the policy varied its choice
-    assert not policy.rows  # finished rows are forgotten
+    assert (policy.halted > 0) == halting  # rows stopped on the draft's confidence
+    assert not policy.rows and not policy._conf  # finished rows are forgotten
+    if halting:  # the trace records what was drafted, which is what the policy settled on
+        assert all(len(d) == asked for r in reqs for _, d, _, asked in r.stats.trace)
+        assert policy.cn.sum() > 0  # the confidence calibration learned
 
 
 @pytest.mark.parametrize("batch", [1, 8, 32])
 def test_adaptive_distribution(models, batch):
     _, target, draft = models
+    policy = _policy(True, 5)
     eng = Engine(target, DraftModelDrafter(draft, V, max_rows=batch, max_len=128),
-                 AdaptivePolicy(PAYING, max_k=5), EngineConfig(max_batch=batch, max_len=100, rule="rejection"))
+                 policy, EngineConfig(max_batch=batch, max_len=100, rule="rejection"))
     g = torch.Generator().manual_seed(batch)
     reqs = [Request(torch.randint(0, V, (3,), generator=g).tolist(),
                     GenerationParams(max_new_tokens=64, sampling=SamplingParams(temperature=1.0, seed=i)))
             for i in range(24 if batch == 1 else 40)]
     eng.run(reqs)
+    assert policy.halted > 0
     res = test_uniform(engine_pit(target, reqs, g).numpy())
     assert res.n >= (1500 if batch == 1 else 2500)
     assert res.passed(1e-3), res
+
+
+def test_layerskip_halting_equals_hf(models, reference):
+    from verispec.drafters.layerskip import LayerSkipDrafter
+    hf, target, _ = models
+    prompts, max_new, refs = reference
+    policy = _policy(True, 5)
+    eng = Engine(target, LayerSkipDrafter(target, 1), policy, EngineConfig(max_batch=8, max_len=128))
+    reqs = [Request(p, GenerationParams(max_new_tokens=m)) for p, m in zip(prompts, max_new)]
+    eng.run(reqs)
+    assert [r.output_ids for r in reqs] == refs
+    assert policy.halted > 0
 
 
 def test_engine_reports_step_times_to_the_policy(models):

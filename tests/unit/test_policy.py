@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from verispec.policy.adaptive import AdaptivePolicy, CostModel
+from verispec.policy.adaptive import CONF_EDGES, AdaptivePolicy, CostModel
 
 
 class R:
@@ -234,3 +234,104 @@ def test_a_probe_prices_its_draft_token():
     dear = AdaptivePolicy(costs(verify_slope=0.0, draft=0.5), max_k=4)
     assert cheap.probe_interval(1) == cheap.min_probe
     assert dear.probe_interval(1) >= 0.5 / dear.probe_budget
+
+
+def halting_costs(draft=0.1, per_row=False):
+    return CostModel.from_total_tokens((1, 16, 1024), (1.0, 1.0, 1.0 + 0.02 * 1008), (1, 64),
+                                       (draft, (64 if per_row else 2) * draft), halts=True)
+
+
+def draft_with_halt(policy, reqs, k, confs):
+    """Run the halt rule as a drafter would: confs[b][i] is row b's confidence in draft i.
+    Returns the drafts per row."""
+    num = list(k)
+    active = [b for b in range(len(reqs)) if k[b] > 0]
+    i = 0
+    while active:
+        stop = policy.halt(reqs, k, i, active, [confs[b][i] for b in active])
+        nxt = []
+        for b, s in zip(active, stop):
+            if k[b] > i + 1 and not s:
+                nxt.append(b)
+            else:
+                num[b] = i + 1
+        active, i = nxt, i + 1
+    return num
+
+
+def test_halt_drafts_on_while_the_drafter_is_confident():
+    p = AdaptivePolicy(halting_costs(), max_k=8)
+    reqs = [R("a")]
+    p._state(reqs[0]).assume(0.8)
+    k = p.choose(reqs)
+    assert k == [8]  # a cap: halt() decides where each row stops
+    assert draft_with_halt(p, reqs, k, [[0.99] * 8]) == [8]
+    k = p.choose(reqs)
+    assert draft_with_halt(p, reqs, k, [[0.99, 0.99, 0.05] + [0.99] * 5]) == [3]
+    k = p.choose(reqs)
+    assert draft_with_halt(p, reqs, k, [[0.05] * 8]) == [1]
+    # a dear draft token stops sooner on the same confidences
+    dear = AdaptivePolicy(halting_costs(draft=0.3), max_k=8)
+    dear._state(reqs[0]).assume(0.8)
+    k = dear.choose(reqs)
+    n_dear = draft_with_halt(dear, reqs, k, [[0.8] * 8])[0]
+    k = p.choose(reqs)
+    assert 1 <= n_dear < draft_with_halt(p, reqs, k, [[0.8] * 8])[0]
+
+
+def test_halt_stops_rows_one_by_one():
+    # (where a draft pass costs the same for two rows as for one, a doubtful row rides
+    # free on the sure row's pass; here each row pays its own draft tokens)
+    p = AdaptivePolicy(halting_costs(per_row=True), max_k=8)
+    reqs = [R("sure"), R("unsure")]
+    for r in reqs:
+        p._state(r).assume(0.8)
+    k = p.choose(reqs)
+    assert k == [8, 8]
+    assert draft_with_halt(p, reqs, k, [[0.99] * 8, [0.99, 0.1] + [0.99] * 6]) == [8, 2]
+
+
+def test_confidence_calibration_learns_an_overconfident_drafter():
+    rng = np.random.default_rng(1)
+    p = AdaptivePolicy(halting_costs(), max_k=8)
+    reqs = [R("a")]
+    drafted = []
+    for _ in range(150):
+        k = p.choose(reqs)
+        n = draft_with_halt(p, reqs, k, [[0.96] * 8])
+        a = 0
+        while a < n[0] and rng.random() < 0.3:  # confident, yet mostly wrong
+            a += 1
+        p.observe(reqs, n, [a])
+        drafted.append(n[0])
+    assert p.calibrated([0.96])[0] < 0.45
+    # bins never seen follow the fitted curve: overconfident everywhere, still monotone
+    unseen = p.calibrated([0.35, 0.55, 0.75])
+    assert unseen[1] < 0.5 and unseen[0] <= unseen[1] <= unseen[2], unseen
+    assert drafted[0] == 8 and np.mean(drafted[-30:]) < 2.5, drafted
+
+
+def test_calibration_learns_an_underconfident_drafter_from_few_drafts():
+    """A draft model of the target's family: its pick is the target's more often than it
+    believes. The logistic curve lifts the bins it has not seen much of as well."""
+    rng = np.random.default_rng(2)
+    p = AdaptivePolicy(halting_costs(), max_k=8)
+    for _ in range(60):
+        c = rng.uniform(0.3, 0.9)
+        i = np.searchsorted(CONF_EDGES, c, side="right") - 1
+        p.cs *= p.conf_keep
+        p.cn *= p.conf_keep
+        p.cs[i] += rng.random() < min(1.0, c + 0.25)
+        p.cn[i] += 1
+        p._curve = None
+    est = p.calibrated([0.35, 0.55, 0.75])
+    assert np.all(est > np.array([0.35, 0.55, 0.75]) + 0.05), est
+
+
+def test_halt_is_inert_where_the_drafter_cannot_halt():
+    p = AdaptivePolicy(costs(verify_slope=0.02, draft=0.1), max_k=8)
+    reqs = [R("a")]
+    p._state(reqs[0]).assume(0.8)
+    k = p.choose(reqs)
+    assert 0 < k[0] < 8  # the planned k, not a cap
+    assert p.halt(reqs, k, 0, [0], [0.01]) == [False]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.prompt_cache import prefill
-from . import draft_from_logits
+from . import apply_halt, draft_from_logits
 
 
 class TokenizerMismatchError(ValueError):
@@ -29,6 +29,8 @@ def check_same_tokenizer(draft_tok, target_tok) -> None:
 
 
 class DraftModelDrafter:
+    halts = True  # propose() takes a halt rule (see drafters/__init__.py)
+
     def __init__(self, model, target_vocab: int, *, max_rows: int, max_len: int,
                  draft_tokenizer=None, target_tokenizer=None, name: str = "draft-model"):
         check_same_tokenizer(draft_tokenizer, target_tokenizer)
@@ -50,7 +52,7 @@ class DraftModelDrafter:
             self.cache.lengths[r] = 0
         prefill(self.model, self.cache, list(rows), [t[:-1] for t in tokens], self.prompt_cache)
 
-    def propose(self, rows, tokens, k, sampling, generators):
+    def propose(self, rows, tokens, k, sampling, generators, halt=None):
         B, K = len(rows), max(k, default=0)
         out = torch.zeros(B, K, dtype=torch.long)  # [B,K]
         # only the rejection-style rules read q: greedy rows draft the argmax (q one-hot,
@@ -70,10 +72,12 @@ class DraftModelDrafter:
             x[i, :len(f)] = torch.tensor(f)
         act_rows = [rows[b] for b in active]
         logits = self.model.forward(x, self.cache, act_rows, [len(f) for f in feeds], last_only=True)
-        # 2. draft one token per pass; rows leave once they have k[b] drafts
+        # 2. draft one token per pass; rows leave once they have k[b] drafts, or when
+        #    the halt rule stops them on the draft's own confidence
         for i in range(K):
-            draft_from_logits(logits, active, i, tokens, sampling, generators, out, probs)
-            active = [b for b in active if k[b] > i + 1]
+            conf = draft_from_logits(logits, active, i, tokens, sampling, generators, out, probs,
+                                     confidence=halt is not None)
+            active = apply_halt(halt, i, active, k, conf, num)
             if not active:
                 break
             logits = self.model.forward(out[active, i:i + 1], self.cache,

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from . import draft_from_logits
+from . import apply_halt, draft_from_logits
 
 
 class LayerSkipDrafter:
+    halts = True  # propose() takes a halt rule (see drafters/__init__.py)
+
     def __init__(self, target, num_layers: int):
         L = target.config.num_layers
         if not 1 <= num_layers < L:
@@ -29,7 +31,7 @@ class LayerSkipDrafter:
     def admit(self, rows, tokens):
         pass
 
-    def propose(self, rows, tokens, k, sampling, generators):
+    def propose(self, rows, tokens, k, sampling, generators, halt=None):
         B, K = len(rows), max(k, default=0)
         V = self.target.config.vocab_size
         out = torch.zeros(B, K, dtype=torch.long)  # [B,K]
@@ -47,11 +49,11 @@ class LayerSkipDrafter:
         for i in range(K):
             logits = self.target.forward(x, self.cache, act_rows, last_only=True,
                                          num_layers=self.num_layers)
-            draft_from_logits(logits, active, i, tokens, sampling, generators, out, probs)
-            keep = [j for j, b in enumerate(active) if k[b] > i + 1]
-            if not keep:
+            conf = draft_from_logits(logits, active, i, tokens, sampling, generators, out, probs,
+                                     confidence=halt is not None)
+            active = apply_halt(halt, i, active, k, conf, num)
+            if not active:
                 break
-            active = [active[j] for j in keep]
             act_rows = [rows[b] for b in active]
             x = out[active, i:i + 1]
         all_rows = [rows[b] for b in range(B) if k[b] > 0]

@@ -155,10 +155,15 @@ class Engine:
         # 2. propose
         K = max(k)
         t1 = time.perf_counter()
+        # a policy may stop rows while they draft, on the drafter's own confidence
+        halt = getattr(self.policy, "halt", None) if getattr(self.drafter, "halts", False) else None
         if K > 0:
+            kw = {} if halt is None else {"halt": lambda i, active, conf: halt(reqs, k, i, active, conf)}
             drafts, q, num = self.drafter.propose(rows, [r.tokens for r in reqs], k,
                                                    [r.params.sampling for r in reqs],
-                                                   [r.generator for r in reqs])
+                                                   [r.generator for r in reqs], **kw)
+            if halt is not None:
+                k = num.tolist()  # where the policy stopped a row is what it asked for
         else:
             drafts, q, num = torch.zeros(B, 0, dtype=torch.long), None, torch.zeros(B, dtype=torch.long)
         t2 = time.perf_counter()

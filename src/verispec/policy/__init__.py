@@ -7,6 +7,11 @@ Policy protocol::
     observe(requests, k, accepted)      the step's outcome, for adaptive policies: k as asked
                                         (capped at what a row may still emit; a drafter may
                                         have found fewer), accepted draft tokens per row
+
+Optional hooks an engine uses when present: observe_costs(...) (measured step times),
+trim(requests, found) (settle k once a model-free drafter's drafts are found), and
+halt(requests, k, i, active, conf) -> list[bool] (stop rows while a drafter with
+`halts = True` drafts, on its own confidence; see drafters/__init__.py).
 """
 
 from __future__ import annotations
@@ -57,3 +62,7 @@ class PolicyWrapper:
 
     def trim(self, requests, found):
         return self.inner.trim(requests, found) if hasattr(self.inner, "trim") else list(found)
+
+    def halt(self, requests, k, i, active, conf):
+        h = getattr(self.inner, "halt", None)
+        return h(requests, k, i, active, conf) if h is not None else [False] * len(active)

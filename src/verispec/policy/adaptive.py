@@ -28,6 +28,17 @@ they are probed again with one draft token after an interval that doubles with e
 failed probe and is never so short that probes cost the batch over 1% of its time.
 Probes are gathered into shared steps (a probe pays for a padded pass, which then
 costs the same for every row that probes in it).
+
+With a drafter that drafts token by token and knows its own probabilities (a draft
+model, layer-skip: CostModel.halts), the k chosen for a drafting row is a cap and the
+row stops on the drafter's confidence (halt()): after each draft, P(every draft so far
+is accepted) comes from a calibration of the drafter's probability of its token against
+what the target accepted at that confidence before, and the row goes on while its next
+draft is expected to bring tokens faster than the step's planned rate. The best k moves
+from prompt to prompt and from token to token; a cap plus a stopping rule on the
+drafter's own probabilities follows it within a step, which a k chosen from averages
+cannot. Stopping on the drafter's probabilities is allowed: the verdicts of the step
+never enter it, so the output distribution is unchanged.
 """
 
 from __future__ import annotations
@@ -67,6 +78,9 @@ class CostModel:
     # a model-free drafter (prompt lookup): proposing costs ~nothing, so the policy asks
     # for max_k and settles the verified length per step from the drafts actually found
     draft_free: bool = False
+    # the drafter takes a halt rule (drafters/__init__.py): the policy then sets a cap on
+    # drafts and stops each row on the drafter's confidence in what it has drafted
+    halts: bool = False
 
     def __post_init__(self):
         if len(self.target_s) != len(self.batch_pts) or any(len(r) != len(self.token_pts) for r in self.target_s):
@@ -76,11 +90,11 @@ class CostModel:
 
     @classmethod
     def from_total_tokens(cls, rows, secs, draft_rows, draft_s, *, max_batch: int = 64,
-                          max_tokens: int = 17, draft_free: bool = False) -> "CostModel":
+                          max_tokens: int = 17, draft_free: bool = False, halts: bool = False) -> "CostModel":
         """A synthetic model whose pass costs f(B * T), f piecewise linear through (rows, secs)."""
         bp, tp = tuple(range(1, max_batch + 1)), tuple(range(1, max_tokens + 1))
         grid = tuple(tuple(float(_interp(b * t, rows, secs)) for t in tp) for b in bp)
-        return cls(bp, tp, grid, tuple(draft_rows), tuple(draft_s), draft_free=draft_free)
+        return cls(bp, tp, grid, tuple(draft_rows), tuple(draft_s), draft_free=draft_free, halts=halts)
 
     def target(self, B: int, T):
         """Seconds of one target pass over B rows x T tokens (T: a number or an array)."""
@@ -158,7 +172,8 @@ def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = 16
             return lambda: drafter.propose(list(range(m)), seqs[:m], [max_k] * m, [greedy] * m, [None] * m)
         d_s = [t / max_k for t in timed_grid([prop(m) for m in d_pts])]
     free = not isinstance(drafter, (DraftModelDrafter, LayerSkipDrafter))
-    return CostModel(tuple(bps), tuple(tps), grid, tuple(d_pts), tuple(d_s), draft_free=free)
+    return CostModel(tuple(bps), tuple(tps), grid, tuple(d_pts), tuple(d_s), draft_free=free,
+                     halts=bool(getattr(drafter, "halts", False)))
 
 
 class _RowState:
@@ -180,6 +195,11 @@ class _RowState:
         self.s[:] = np.asarray(alpha, dtype=np.float64) * trials
 
 
+# bins of the drafter's confidence in a draft (its probability of the drafted token)
+CONF_EDGES = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98])
+CONF_MIDS = (CONF_EDGES + np.append(CONF_EDGES[1:], 1.0)) / 2.0
+
+
 class AdaptivePolicy:
     def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, decay: float = 0.1,
                  min_probe: int = 8, max_probe: int = 128, min_gain: float = 0.05):
@@ -199,6 +219,14 @@ class AdaptivePolicy:
         self.global_strength = 5.0  # trials' worth of weight of the prior in the drafter's figures
         self.optimism = 0.5  # standard errors added to the drafter's figures (see _optimistic_global)
         self.row_strength = 3.0  # expected acceptances' worth of weight of the drafter in a row's
+        # calibration of the drafter's confidence: P(draft accepted | drafts before it were,
+        # the drafter gave it probability c), per bin of c, from forgotten counts (halt())
+        self.cs, self.cn = np.zeros(len(CONF_EDGES)), np.zeros(len(CONF_EDGES))
+        self.conf_keep = 0.995  # per draft observed
+        self.conf_strength = 10.0  # drafts' worth of weight of the prior (a calibrated drafter)
+        self._conf: dict = {}  # request_id -> the step's draft confidences so far
+        self._curve = None  # the calibration curve per bin, refitted after new records
+        self._step = None  # (request ids, alphas [B,K], planned rate) of the step being drafted
 
     def _state(self, req) -> _RowState:
         st = self.rows.get(req.request_id)
@@ -253,6 +281,10 @@ class AdaptivePolicy:
     def best_choice(self, alphas) -> list[int]:
         """The (m rows, k drafts) that maximises expected tokens per second; for each k,
         the m rows are those that gain most from k drafts."""
+        return self._plan(alphas)[0]
+
+    def _plan(self, alphas) -> tuple[list[int], float]:
+        """best_choice and its modelled rate (tokens per second)."""
         E = self.expected_tokens(alphas)  # [B, K+1]
         B = len(E)
         order = np.argsort(-(E - 1.0), axis=0, kind="stable")  # [B, K+1]: rows by gain, per k
@@ -268,7 +300,93 @@ class AdaptivePolicy:
         if rate[i, j] > base * (1.0 + self.min_gain) and j > 0:
             for b in order[: i + 1, j]:
                 choice[int(b)] = int(j)
-        return choice
+            return choice, float(rate[i, j])
+        return choice, base
+
+    def calibrated(self, conf) -> np.ndarray:
+        """P(a draft is accepted | the drafts before it were), given the drafter's own
+        probability of it (conf, array-like): the bin's forgotten record, shrunk toward
+        a logistic fit over every bin (_calibration_curve), so a bin with little record
+        follows the drafter's calibration as a whole."""
+        i = np.clip(np.searchsorted(CONF_EDGES, np.asarray(conf, dtype=np.float64), side="right") - 1,
+                    0, len(CONF_EDGES) - 1)
+        if self._curve is None:
+            self._curve = self._calibration_curve()
+        c = self.conf_strength
+        return (self.cs[i] + c * self._curve[i]) / (self.cn[i] + c)
+
+    def _calibration_curve(self) -> np.ndarray:
+        """[bins]: sigma(a + b logit(c)) at each bin's middle, (a, b) fitted to the bins'
+        records by a few Newton steps, with a Gaussian prior around (0, 1): a calibrated
+        drafter. A draft model of the target's family is underconfident (its pick is the
+        target's more often than it believes), a poorly matched one overconfident; two
+        numbers learn either from a few dozen drafts."""
+        x = np.log(CONF_MIDS / (1.0 - CONF_MIDS))  # [bins] logit of each bin's middle
+        X = np.stack([np.ones_like(x), x], axis=1)  # [bins, 2]
+        # prior mean and precision: the slope is held more firmly than the offset, so
+        # records in a few bins move the curve rather than tilt it
+        w0, lam = np.array([0.0, 1.0]), np.array([1.0, 10.0])
+        s, n = self.cs, self.cn
+
+        def objective(w):  # log posterior
+            z = X @ w
+            return float(s @ z - n @ np.logaddexp(0.0, z) - 0.5 * float(lam @ (w - w0) ** 2))
+
+        w, f = w0.copy(), objective(w0)
+        for _ in range(20):  # Newton with step halving: the posterior is concave
+            p = 1.0 / (1.0 + np.exp(-(X @ w)))
+            grad = X.T @ (s - n * p) - lam * (w - w0)
+            H = (X * (n * p * (1.0 - p))[:, None]).T @ X + np.diag(lam)
+            step = np.linalg.solve(H, grad)
+            t = 1.0
+            while t > 1e-3 and objective(w + t * step) < f:
+                t /= 2.0
+            w_new = w + t * step
+            f_new = objective(w_new)
+            if f_new < f:
+                break
+            w, done = w_new, f_new - f < 1e-9
+            f = f_new
+            if done:
+                break
+        w[1] = max(w[1], 0.05)  # acceptance does not fall as confidence rises
+        return 1.0 / (1.0 + np.exp(-(X @ w)))
+
+    def halt(self, requests, k: list[int], i: int, active: list[int], conf) -> list[bool]:
+        """Called by the drafter after it drafted position i (0-based) for the rows
+        `active` (indices into requests), with its probability of each drafted token:
+        which rows stop there. A row's next draft is worth P(all its drafts so far are
+        accepted, given their confidences) x P(the next one is, from the row's record)
+        tokens; one more draft position costs a draft pass over the rows that go on plus
+        the wider target pass. The rows that go on are the top m by worth, for the m
+        whose total worth beats that cost at the step's planned rate (tokens per second),
+        so a step grows while its marginal tokens come faster than its average ones.
+        Only the drafter's probabilities and what was known before the step are used:
+        the rule is non-anticipating."""
+        for b, cb in zip(active, conf):
+            self._conf.setdefault(requests[b].request_id, []).append(float(cb))
+        going = [j for j, b in enumerate(active) if k[b] > i + 1 and i + 1 < self.max_k]
+        if not self.costs.halts or not going:
+            return [False] * len(active)
+        ids = [r.request_id for r in requests]
+        if self._step is None or self._step[0] != ids:  # called without this step's choose()
+            alphas = self._alphas([self._state(r) for r in requests])
+            self._step = (ids, alphas, self._plan(alphas)[1])
+        _, alphas, rate = self._step
+        B = len(requests)
+        worth = np.array([float(np.prod(self.calibrated(self._conf[ids[active[j]]])))
+                          * alphas[active[j], i + 1] for j in going])  # [G]
+        order = np.argsort(-worth, kind="stable")
+        t_pass, t_draft = self._pass_costs(B)
+        widen = max(float(t_pass[i + 2]) - float(t_pass[i + 1]), 0.0)
+        m = np.arange(1, len(going) + 1)
+        value = np.cumsum(worth[order]) - rate * (widen + t_draft[m - 1])  # [G]
+        best = int(np.argmax(value))
+        stop = [True] * len(active)
+        if value[best] > 0:
+            for j in order[: best + 1]:
+                stop[going[int(j)]] = False
+        return stop
 
     def _model_costs(self, B: int):
         """Start-up figures: (target pass over B rows x 1..max_k+1 tokens [K+1], draft token
@@ -315,12 +433,16 @@ class AdaptivePolicy:
         return min(max(self.min_probe, int(np.ceil(extra / self.probe_budget))), 100 * self.max_probe)
 
     def choose(self, requests) -> list[int]:
+        self._conf.clear()
+        self._step = None
         if self.costs.draft_free:  # asking costs nothing: trim() decides once drafts are found
             for r in requests:
                 self._state(r).probing = False
             return [self.max_k] * len(requests)
         states = [self._state(r) for r in requests]
-        choice = self.best_choice(self._alphas(states))
+        alphas = self._alphas(states)
+        choice, rate = self._plan(alphas)
+        self._step = ([r.request_id for r in requests], alphas, rate)
         for s in states:
             s.probing = False
         # a rare, cheap probe of rows left out; when one row is due, the rows halfway to
@@ -331,6 +453,8 @@ class AdaptivePolicy:
             for i, s in enumerate(states):
                 if choice[i] == 0 and 2 * s.idle >= max(s.probe_every, floor):
                     choice[i], s.probing = 1, True
+        if self.costs.halts:  # rows that draft may go up to max_k; halt() stops each one
+            choice = [self.max_k if c > 0 and not s.probing else c for c, s in zip(choice, states)]
         return choice
 
     def trim(self, requests, found: list[int]) -> list[int]:
@@ -384,6 +508,16 @@ class AdaptivePolicy:
             self.gn *= self.global_keep
             self.gs[:n] += seen
             self.gn[:n] += 1.0
+            conf = self._conf.pop(r.request_id, None)
+            if conf:  # the confidence calibration: drafts tried, accepted or not
+                c = np.asarray(conf[:n], dtype=np.float64)
+                idx = np.clip(np.searchsorted(CONF_EDGES, c, side="right") - 1, 0, len(CONF_EDGES) - 1)
+                keep = self.conf_keep ** len(c)
+                self.cs *= keep
+                self.cn *= keep
+                np.add.at(self.cs, idx, seen[:len(c)])
+                np.add.at(self.cn, idx, 1.0)
+                self._curve = None
             if st.probing:
                 st.probe_every = (self.min_probe if ab > 0
                                   else min(2 * st.probe_every, self.max_probe))
