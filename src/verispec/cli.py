@@ -62,17 +62,11 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 def build_engine(target, tokenizer, args, max_len: int):
     from .drafters import make_drafter
     from .engine import Engine, EngineConfig
-    from .policy import FixedK
+    from .policy import make_policy
 
     drafter = make_drafter(args.draft, target, tokenizer, max_rows=args.batch_size,
                            max_len=max_len + args.k + 2)
-    if drafter is None or args.k == 0:
-        policy = FixedK(0)
-    elif args.policy == "fixed":
-        policy = FixedK(args.k)
-    else:
-        from .policy.adaptive import AdaptivePolicy, measure_costs
-        policy = AdaptivePolicy(measure_costs(target, drafter, args.batch_size, args.k), max_k=args.k)
+    policy = make_policy(args.policy, target, drafter, args.batch_size, args.k)
     return Engine(target, drafter, policy, EngineConfig(max_batch=args.batch_size, max_len=max_len,
                                                          rule=args.verify))
 

@@ -93,13 +93,22 @@ class SlowTarget:
 
 def make_state(drafter: str | None = "draft", k: int = 3, max_batch: int = 8, max_len: int = 256,
                max_queue: int = 16, api_key: str | None = None, rule: str = "rejection",
-               delay_s: float = 0.0, model: str = "target") -> ServerState:
-    """model "draft" serves the draft model as the target: a server that answers differently."""
+               delay_s: float = 0.0, model: str = "target", policy: str = "fixed") -> ServerState:
+    """model "draft" serves the draft model as the target: a server that answers differently.
+    policy "adaptive": the adaptive policy on a cost model where drafting pays (so that it
+    drafts, and halts rows, on the tiny models whatever this machine's timings)."""
     target = target_model() if model == "target" else draft_model()
     target = target if not delay_s else SlowTarget(target, delay_s)
     d = {"draft": lambda: DraftModelDrafter(draft_model(), V, max_rows=max_batch, max_len=max_len + k + 2),
          "lookup": lambda: PromptLookupDrafter(3), None: lambda: None}[drafter]()
-    engine = Engine(target, d, FixedK(k if d is not None else 0),
+    if policy == "adaptive" and d is not None:
+        from verispec.policy.adaptive import AdaptivePolicy, CostModel
+        costs = CostModel.from_total_tokens((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (0.15, 0.25),
+                                            halts=drafter == "draft", draft_free=drafter == "lookup")
+        pol = AdaptivePolicy(costs, max_k=k)
+    else:
+        pol = FixedK(k if d is not None else 0)
+    engine = Engine(target, d, pol,
                     EngineConfig(max_batch=max_batch, max_len=max_len, rule=rule))
     return ServerState(engine, CharTokenizer(), ServerConfig(model_name=MODEL, api_key=api_key,
                                                              max_queue=max_queue, drafter=drafter))

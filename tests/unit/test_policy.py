@@ -335,3 +335,44 @@ def test_halt_is_inert_where_the_drafter_cannot_halt():
     k = p.choose(reqs)
     assert 0 < k[0] < 8  # the planned k, not a cap
     assert p.halt(reqs, k, 0, [0], [0.01]) == [False]
+
+
+def test_halt_weighs_a_draft_against_the_rate_realised():
+    """A marginal draft must bring tokens faster than the engine has been emitting them
+    (tokens per second measured at this batch size): the slower decoding has been, the
+    further a doubtful row drafts on."""
+    reqs = [R("a")]
+    n = {}
+    for realised in (0.5, 100.0):
+        p = AdaptivePolicy(halting_costs(), max_k=8)
+        p._state(reqs[0]).assume(0.8)
+        p.rate_seen[1] = realised
+        k = p.choose(reqs)
+        n[realised] = draft_with_halt(p, reqs, k, [[0.7] * 8])[0]
+    assert n[0.5] == 8 and n[100.0] == 1
+    # the engine's step reports feed it: 1 + 3 tokens in 0.5 s at batch 1
+    p = AdaptivePolicy(halting_costs(), max_k=8)
+    p.observe(reqs, [4], [3])
+    p.observe_costs(1, 5, 1, 4, 0.1, 0.4)
+    assert p.rate_seen[1] == pytest.approx(8.0)
+    p.observe(reqs, [4], [0])
+    p.observe_costs(1, 5, 1, 4, 0.1, 0.4)
+    assert p.rate_seen[1] == pytest.approx(0.9 * 8.0 + 0.1 * 2.0)
+
+
+def test_measured_pass_times_replace_the_start_up_grid():
+    """A start-up grid that made a wider pass look free (a noisy timing): once the engine
+    has measured that shape as dear, the policy drafts less there."""
+    free = CostModel.from_total_tokens((1, 1024), (1.0, 1.0), (1, 64), (0.05, 0.05), halts=True)
+    p = AdaptivePolicy(free, max_k=8)
+    reqs = [R("a")]
+    p._state(reqs[0]).assume(0.8)
+    k = p.choose(reqs)
+    assert draft_with_halt(p, reqs, k, [[0.9] * 8]) == [8]
+    for T in range(3, 10):  # measured: every column past the second costs half a pass
+        for _ in range(20):
+            p.observe_costs(1, T, 1, T - 1, 0.05 * (T - 1), 1.0 + 0.5 * (T - 2))
+    t_pass = p._pass_costs(1)[0]
+    assert t_pass[4] == pytest.approx(2.5, rel=0.05) and t_pass[0] == pytest.approx(1.0)
+    k = p.choose(reqs)
+    assert draft_with_halt(p, reqs, k, [[0.9] * 8])[0] <= 2

@@ -30,6 +30,8 @@ class Policy(Protocol):
 class FixedK:
     """Draft the same k tokens for every row at every step (k = 0: plain decoding)."""
 
+    name = "fixed"
+
     def __init__(self, k: int):
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
@@ -66,3 +68,17 @@ class PolicyWrapper:
     def halt(self, requests, k, i, active, conf):
         h = getattr(self.inner, "halt", None)
         return h(requests, k, i, active, conf) if h is not None else [False] * len(active)
+
+
+def make_policy(kind: str, target, drafter, max_batch: int, k: int):
+    """The policy a CLI or server asks for: 'adaptive' (costs timed now, on this machine,
+    up to max_batch rows and k drafts) or 'fixed' (always k); plain decoding where there
+    is no drafter or k = 0."""
+    if kind not in ("adaptive", "fixed"):
+        raise ValueError(f"unknown policy {kind!r}; valid: adaptive, fixed")
+    if drafter is None or k == 0:
+        return FixedK(0)
+    if kind == "fixed":
+        return FixedK(k)
+    from .adaptive import AdaptivePolicy, measure_costs
+    return AdaptivePolicy(measure_costs(target, drafter, max_batch, k), max_k=k)

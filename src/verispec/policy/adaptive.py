@@ -201,6 +201,8 @@ CONF_MIDS = (CONF_EDGES + np.append(CONF_EDGES[1:], 1.0)) / 2.0
 
 
 class AdaptivePolicy:
+    name = "adaptive"
+
     def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, decay: float = 0.1,
                  min_probe: int = 8, max_probe: int = 128, min_gain: float = 0.05):
         if max_k < 1:
@@ -226,6 +228,16 @@ class AdaptivePolicy:
         self.conf_strength = 10.0  # drafts' worth of weight of the prior (a calibrated drafter)
         self._conf: dict = {}  # request_id -> the step's draft confidences so far
         self._curve = None  # the calibration curve per bin, refitted after new records
+        # realised tokens per second per batch size (forgotten per step): the rate a
+        # marginal draft must beat in halt(); until a batch size has one, the plan's
+        self.rate_seen: dict[int, float] = {}
+        self.rate_keep = 0.9
+        self._emitted = None  # (batch, tokens) of the step observe() saw last
+        # measured target pass times per batch size and tokens per row (forgotten per
+        # step; nan where not seen yet): they replace the start-up grid's figures, whose
+        # few timings on a shared machine can misshape the cost of one more column
+        self.pass_seen: dict[int, np.ndarray] = {}
+        self.pass_keep = 0.8
         self._step = None  # (request ids, alphas [B,K], planned rate) of the step being drafted
 
     def _state(self, req) -> _RowState:
@@ -359,8 +371,10 @@ class AdaptivePolicy:
         accepted, given their confidences) x P(the next one is, from the row's record)
         tokens; one more draft position costs a draft pass over the rows that go on plus
         the wider target pass. The rows that go on are the top m by worth, for the m
-        whose total worth beats that cost at the step's planned rate (tokens per second),
-        so a step grows while its marginal tokens come faster than its average ones.
+        whose total worth beats that cost at the rate the engine has been emitting tokens
+        at for this batch size (the plan's rate until it has a record): a step grows
+        while its marginal tokens come faster than the average ones, which is what raises
+        the long-run rate (and, rate updated step by step, converges on the best rule).
         Only the drafter's probabilities and what was known before the step are used:
         the rule is non-anticipating."""
         for b, cb in zip(active, conf):
@@ -374,6 +388,7 @@ class AdaptivePolicy:
             self._step = (ids, alphas, self._plan(alphas)[1])
         _, alphas, rate = self._step
         B = len(requests)
+        rate = self.rate_seen.get(B, rate)
         worth = np.array([float(np.prod(self.calibrated(self._conf[ids[active[j]]])))
                           * alphas[active[j], i + 1] for j in going])  # [G]
         order = np.argsort(-worth, kind="stable")
@@ -398,9 +413,13 @@ class AdaptivePolicy:
         return c
 
     def _pass_costs(self, B: int):
-        """The start-up figures rescaled by what the engine has measured since."""
+        """The engine's measured pass times where it has them (this batch size, these
+        tokens per row); elsewhere the start-up figures rescaled by what it has measured."""
         t_pass, t_draft = self._model_costs(B)
         t_pass = t_pass * np.where(np.arange(len(t_pass)) == 0, self.scale["plain"], self.scale["wide"])
+        seen = self.pass_seen.get(B)
+        if seen is not None:
+            t_pass = np.where(np.isnan(seen), t_pass, seen)
         return t_pass, t_draft * self.scale["draft"]
 
     def observe_costs(self, B: int, tokens_per_row: int, drafting_rows: int, drafts: int,
@@ -409,12 +428,26 @@ class AdaptivePolicy:
         B rows x tokens_per_row took verify_s; drafting `drafts` tokens for drafting_rows
         rows took draft_s. Running ratios of measured to modelled time (one-token passes,
         wider passes, drafting) rescale the cost model, so a start-up timing that was
-        off, or a machine whose load changed, stops steering the choice. Timings are not
-        verdicts: using them keeps the policy non-anticipating."""
+        off, or a machine whose load changed, stops steering the choice; and the pass time
+        at this exact shape is kept (pass_seen) to replace the start-up figure. Timings
+        are not verdicts: using them keeps the policy non-anticipating."""
+        if self._emitted is not None and self._emitted[0] == B and draft_s + verify_s > 0:
+            r = self._emitted[1] / (draft_s + verify_s)
+            old = self.rate_seen.get(B)
+            self.rate_seen[B] = r if old is None else self.rate_keep * old + (1 - self.rate_keep) * r
+        self._emitted = None
         t_pass, t_draft = self._model_costs(B)
         T = min(max(tokens_per_row, 1), len(t_pass))
         key = "plain" if T == 1 else "wide"
         self._update_scale(key, verify_s / float(t_pass[T - 1]))
+        if np.isfinite(verify_s) and verify_s > 0:
+            seen = self.pass_seen.setdefault(B, np.full(len(t_pass), np.nan))
+            old = seen[T - 1]
+            if np.isnan(old):  # first sight: halfway from the rescaled start-up figure
+                old = float(self._pass_costs(B)[0][T - 1])
+            v = min(max(verify_s, 0.25 * old), 4.0 * old)  # one stalled step must not swing it
+            seen[T - 1] = (0.5 if np.isnan(seen[T - 1]) else self.pass_keep) * old + \
+                (0.5 if np.isnan(seen[T - 1]) else 1 - self.pass_keep) * v
         if drafts > 0 and drafting_rows > 0:
             self._update_scale("draft", draft_s / (drafts * float(t_draft[min(drafting_rows, B) - 1])))
 
@@ -490,6 +523,7 @@ class AdaptivePolicy:
         return [int(min(fb, j)) for fb in f]
 
     def observe(self, requests, k, accepted) -> None:
+        self._emitted = (len(requests), sum(accepted) + len(requests))
         for r, kb, ab in zip(requests, k, accepted):
             st = self._state(r)
             if kb == 0:

@@ -73,6 +73,8 @@ class ServerState:
         self.tokenizer = tokenizer
         self.config = config
         self.k = engine.policy.max_k if engine.drafter is not None else 0
+        # "adaptive" (k is a cap) or "fixed"
+        self.policy = getattr(engine.policy.inner, "name", "fixed") if self.k > 0 else "none"
         self.rule = engine.config.rule
         self.lossy = engine.config.lossy and self.k > 0
         self.max_len = engine.config.max_len
@@ -87,7 +89,7 @@ class ServerState:
         self.max_token_chars = max(1, max(len(tokenizer.decode([i])) for i in range(self.vocab_size)))
         self.metrics = Metrics(config.model_name, {
             "drafter": config.drafter or ("none" if engine.drafter is None else getattr(engine.drafter, "name", "?")),
-            "k": str(self.k), "rule": self.rule, "lossy": str(self.lossy).lower(),
+            "k": str(self.k), "policy": self.policy, "rule": self.rule, "lossy": str(self.lossy).lower(),
             "max_batch": str(engine.config.max_batch), "max_len": str(self.max_len)})
         self.worker = EngineWorker(engine, self.metrics, config.max_queue)
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="verispec-tokenize")
@@ -331,8 +333,8 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
         return {"object": "list", "data": [{
             "id": state.config.model_name, "object": "model", "created": state.created, "owned_by": "verispec",
             "max_model_len": state.max_len,
-            "verispec": {"drafter": state.metrics.info["drafter"], "k": state.k, "rule": state.rule,
-                         "lossy": state.lossy}}]}
+            "verispec": {"drafter": state.metrics.info["drafter"], "k": state.k, "policy": state.policy,
+                         "rule": state.rule, "lossy": state.lossy}}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

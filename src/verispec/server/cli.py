@@ -28,7 +28,11 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--target", required=True, help="preset name, HF directory, GGUF file or hub id")
     s.add_argument("--draft", default=None,
                    help="none | lookup[:N] | layerskip:N | a draft model (preset, path, hub id)")
-    s.add_argument("--k", type=_nonneg_int, default=4, help="draft tokens per step")
+    s.add_argument("--k", type=_nonneg_int, default=4,
+                   help="draft tokens per step (the most, with the adaptive policy)")
+    s.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed"],
+                   help="adaptive: per row and step, from costs timed at start-up and running "
+                        "acceptance (never slower); fixed: always k")
     s.add_argument("--verify", default="rejection", choices=list(RULES),
                    help="verification rule for sampled requests; typical-lossy is LOSSY")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -50,7 +54,7 @@ def build_state(args):
     from ..drafters import make_drafter
     from ..engine import Engine, EngineConfig
     from ..models import load_model
-    from ..policy import FixedK
+    from ..policy import make_policy
     from .app import ServerConfig, ServerState
     from .worker import PerRequestPolicy
 
@@ -58,7 +62,7 @@ def build_state(args):
     target, tok = loaded.model, loaded.tokenizer
     max_len = min(args.max_len, target.config.max_position_embeddings)
     drafter = make_drafter(args.draft, target, tok, max_rows=args.max_batch, max_len=max_len + args.k + 2)
-    policy = PerRequestPolicy(FixedK(args.k if drafter is not None else 0))
+    policy = PerRequestPolicy(make_policy(args.policy, target, drafter, args.max_batch, args.k))
     engine = Engine(target, drafter, policy, EngineConfig(max_batch=args.max_batch, max_len=max_len,
                                                           rule=args.verify))
     config = ServerConfig(model_name=args.served_model_name or args.target, api_key=args.api_key,
@@ -92,6 +96,6 @@ def cmd_serve(args) -> int:
     state = build_state(args)
     app = create_app(state)
     print(f"verispec serve: {state.config.model_name} (draft {args.draft or 'none'}, k={state.k}, "
-          f"rule {args.verify}) on http://{args.host}:{args.port}", file=sys.stderr)
+          f"policy {state.policy}, rule {args.verify}) on http://{args.host}:{args.port}", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
