@@ -61,6 +61,22 @@ def _interp(x, xs, ys):
     return y
 
 
+def _isotonic(y, w) -> np.ndarray:
+    """The non-decreasing sequence closest to y in weighted least squares (pool adjacent
+    violators)."""
+    vals, wts, cnt = [], [], []
+    for yi, wi in zip(np.asarray(y, dtype=np.float64), np.asarray(w, dtype=np.float64)):
+        vals.append(float(yi))
+        wts.append(float(wi))
+        cnt.append(1)
+        while len(vals) > 1 and vals[-2] > vals[-1]:
+            v, wv, c = vals.pop(), wts.pop(), cnt.pop()
+            vals[-1] = (vals[-1] * wts[-1] + v * wv) / (wts[-1] + wv)
+            wts[-1] += wv
+            cnt[-1] += c
+    return np.repeat(vals, cnt)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Measured seconds.
@@ -233,10 +249,11 @@ class AdaptivePolicy:
         self.rate_seen: dict[int, float] = {}
         self.rate_keep = 0.9
         self._emitted = None  # (batch, tokens) of the step observe() saw last
-        # measured target pass times per batch size and tokens per row (forgotten per
-        # step; nan where not seen yet): they replace the start-up grid's figures, whose
-        # few timings on a shared machine can misshape the cost of one more column
-        self.pass_seen: dict[int, np.ndarray] = {}
+        # measured target pass times per batch size and tokens per row: forgotten sums
+        # of seconds and counts per shape. They join the start-up grid's figures (worth
+        # one measurement each), whose few timings on a shared machine can misshape the
+        # cost of one more column
+        self.pass_seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.pass_keep = 0.8
         self._step = None  # (request ids, alphas [B,K], planned rate) of the step being drafted
 
@@ -419,7 +436,12 @@ class AdaptivePolicy:
         t_pass = t_pass * np.where(np.arange(len(t_pass)) == 0, self.scale["plain"], self.scale["wide"])
         seen = self.pass_seen.get(B)
         if seen is not None:
-            t_pass = np.where(np.isnan(seen), t_pass, seen)
+            # each shape: its measurements pooled with the rescaled start-up figure; then
+            # a non-decreasing fit over tokens per row (a wider pass never costs less), so
+            # one slow spell at one shape reads as noise, not as a wall the policy would
+            # never cross again to correct it
+            secs, n = seen
+            t_pass = _isotonic((t_pass + secs) / (1.0 + n), 1.0 + n)
         return t_pass, t_draft * self.scale["draft"]
 
     def observe_costs(self, B: int, tokens_per_row: int, drafting_rows: int, drafts: int,
@@ -441,13 +463,12 @@ class AdaptivePolicy:
         key = "plain" if T == 1 else "wide"
         self._update_scale(key, verify_s / float(t_pass[T - 1]))
         if np.isfinite(verify_s) and verify_s > 0:
-            seen = self.pass_seen.setdefault(B, np.full(len(t_pass), np.nan))
-            old = seen[T - 1]
-            if np.isnan(old):  # first sight: halfway from the rescaled start-up figure
-                old = float(self._pass_costs(B)[0][T - 1])
-            v = min(max(verify_s, 0.25 * old), 4.0 * old)  # one stalled step must not swing it
-            seen[T - 1] = (0.5 if np.isnan(seen[T - 1]) else self.pass_keep) * old + \
-                (0.5 if np.isnan(seen[T - 1]) else 1 - self.pass_keep) * v
+            now = float(self._pass_costs(B)[0][T - 1])
+            secs, n = self.pass_seen.setdefault(B, (np.zeros(len(t_pass)), np.zeros(len(t_pass))))
+            secs[T - 1] *= self.pass_keep
+            n[T - 1] *= self.pass_keep
+            secs[T - 1] += min(max(verify_s, 0.25 * now), 4.0 * now)  # one stalled step must not swing it
+            n[T - 1] += 1.0
         if drafts > 0 and drafting_rows > 0:
             self._update_scale("draft", draft_s / (drafts * float(t_draft[min(drafting_rows, B) - 1])))
 
