@@ -34,7 +34,7 @@ model, layer-skip: CostModel.halts), the k chosen for a drafting row is a cap an
 row stops on the drafter's confidence (halt()): after each draft, P(every draft so far
 is accepted) comes from a calibration of the drafter's probability of its token against
 what the target accepted at that confidence before, and the row goes on while its next
-draft is expected to bring tokens faster than the step's planned rate. The best k moves
+draft is expected to bring tokens faster than the engine has been emitting them. The best k moves
 from prompt to prompt and from token to token; a cap plus a stopping rule on the
 drafter's own probabilities follows it within a step, which a k chosen from averages
 cannot. Stopping on the drafter's probabilities is allowed: the verdicts of the step
@@ -216,6 +216,12 @@ CONF_EDGES = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0
 CONF_MIDS = (CONF_EDGES + np.append(CONF_EDGES[1:], 1.0)) / 2.0
 
 
+def _conf_bin(conf) -> np.ndarray:
+    """The CONF_EDGES bin of each confidence."""
+    c = np.atleast_1d(np.asarray(conf, dtype=np.float64))
+    return np.clip(np.searchsorted(CONF_EDGES, c, side="right") - 1, 0, len(CONF_EDGES) - 1)
+
+
 class AdaptivePolicy:
     name = "adaptive"
 
@@ -337,8 +343,7 @@ class AdaptivePolicy:
         probability of it (conf, array-like): the bin's forgotten record, shrunk toward
         a logistic fit over every bin (_calibration_curve), so a bin with little record
         follows the drafter's calibration as a whole."""
-        i = np.clip(np.searchsorted(CONF_EDGES, np.asarray(conf, dtype=np.float64), side="right") - 1,
-                    0, len(CONF_EDGES) - 1)
+        i = _conf_bin(conf)
         if self._curve is None:
             self._curve = self._calibration_curve()
         c = self.conf_strength
@@ -565,12 +570,11 @@ class AdaptivePolicy:
             self.gn[:n] += 1.0
             conf = self._conf.pop(r.request_id, None)
             if conf:  # the confidence calibration: drafts tried, accepted or not
-                c = np.asarray(conf[:n], dtype=np.float64)
-                idx = np.clip(np.searchsorted(CONF_EDGES, c, side="right") - 1, 0, len(CONF_EDGES) - 1)
-                keep = self.conf_keep ** len(c)
+                idx = _conf_bin(conf[:n])
+                keep = self.conf_keep ** len(idx)
                 self.cs *= keep
                 self.cn *= keep
-                np.add.at(self.cs, idx, seen[:len(c)])
+                np.add.at(self.cs, idx, seen[:len(idx)])
                 np.add.at(self.cn, idx, 1.0)
                 self._curve = None
             if st.probing:
