@@ -36,8 +36,10 @@ def main():
     ap.add_argument("--fixed", default="2,4,8")
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--slices", default=None, help="comma list (default: all 8)")
-    ap.add_argument("--load", type=int, default=2,
-                    help="requests per batch slot: freed rows are refilled, as in a server (1 = one closed batch)")
+    ap.add_argument("--load", default="2",
+                    help="requests per batch slot: freed rows are refilled, as in a server (1 = one closed "
+                         "batch); one number, or one per batch size (a batch-1 cell of one request is a "
+                         "handful of steps, and as noisy)")
     ap.add_argument("--max-requests", type=int, default=None,
                     help="cap on requests per cell (batch x load), to keep large batches affordable")
     ap.add_argument("--rounds", default="3",
@@ -56,6 +58,10 @@ def main():
     if len(rounds) not in (1, len(batches)):
         ap.error("--rounds takes one number or one per batch size")
     rounds = dict(zip(batches, rounds * len(batches) if len(rounds) == 1 else rounds))
+    loads = [int(x) for x in args.load.split(",")]
+    if len(loads) not in (1, len(batches)) or min(loads) < 1:
+        ap.error("--load takes one positive number or one per batch size")
+    loads = dict(zip(batches, loads * len(batches) if len(loads) == 1 else loads))
     kmax = max(fixed)
     prompts = suite_prompts(12, args.slices.split(",") if args.slices else None)
     by_slice = defaultdict(list)
@@ -87,7 +93,7 @@ def main():
     chosen = defaultdict(list)
     cells = [(s, b) for b in batches for s in by_slice]
     for sl, b in tqdm(cells, desc="cells"):
-        n_req = min(b * args.load, args.max_requests or b * args.load)
+        n_req = min(b * loads[b], args.max_requests or b * loads[b])
         ids = (by_slice[sl] * ((n_req + len(by_slice[sl]) - 1) // len(by_slice[sl])))[:n_req]
         runs = defaultdict(list)
         for rnd in range(rounds[b]):
@@ -122,6 +128,7 @@ def main():
             f"{c} {d[c] / d['plain']:.2f}x" for c in configs[1:]), file=sys.stdout)
     print(f"\n{args.target} with {args.draft}, greedy, {args.max_new} new tokens, chat template; "
           f"decode throughput (prefill excluded), {args.load} requests per batch slot"
+          f"{f' (batch {args.batches})' if ',' in args.load else ''}"
           f"{f' (at most {args.max_requests} per cell)' if args.max_requests else ''}; median over {args.rounds} "
           f"interleaved rounds of the ratio to plain decoding in the same round; "
           f"speedup over plain decoding (adaptive: mean k chosen)")

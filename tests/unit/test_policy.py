@@ -357,7 +357,8 @@ def test_halt_weighs_a_draft_against_the_rate_realised():
     assert p.rate_seen[1] == pytest.approx(8.0)
     p.observe(reqs, [4], [0])
     p.observe_costs(1, 5, 1, 4, 0.1, 0.4)
-    assert p.rate_seen[1] == pytest.approx(0.9 * 8.0 + 0.1 * 2.0)
+    # forgotten tokens over forgotten seconds, not an average of the two steps' rates
+    assert p.rate_seen[1] == pytest.approx((0.9 * 4 + 1) / (0.9 * 0.5 + 0.5))
 
 
 def test_measured_pass_times_replace_the_start_up_grid():

@@ -250,9 +250,12 @@ class AdaptivePolicy:
         self.conf_strength = 10.0  # drafts' worth of weight of the prior (a calibrated drafter)
         self._conf: dict = {}  # request_id -> the step's draft confidences so far
         self._curve = None  # the calibration curve per bin, refitted after new records
-        # realised tokens per second per batch size (forgotten per step): the rate a
-        # marginal draft must beat in halt(); until a batch size has one, the plan's
+        # realised tokens per second per batch size: the rate a marginal draft must beat
+        # in halt(); until a batch size has one, the plan's. It is forgotten sums of
+        # tokens over forgotten sums of seconds (the renewal rate), not an average of
+        # per-step rates, which a short step that emits much would pull up
         self.rate_seen: dict[int, float] = {}
+        self._rate_sums: dict[int, tuple[float, float]] = {}
         self.rate_keep = 0.9
         self._emitted = None  # (batch, tokens) of the step observe() saw last
         # measured target pass times per batch size and tokens per row: forgotten sums
@@ -459,9 +462,11 @@ class AdaptivePolicy:
         at this exact shape is kept (pass_seen) to replace the start-up figure. Timings
         are not verdicts: using them keeps the policy non-anticipating."""
         if self._emitted is not None and self._emitted[0] == B and draft_s + verify_s > 0:
-            r = self._emitted[1] / (draft_s + verify_s)
-            old = self.rate_seen.get(B)
-            self.rate_seen[B] = r if old is None else self.rate_keep * old + (1 - self.rate_keep) * r
+            tok, sec = self._rate_sums.get(B, (0.0, 0.0))
+            tok = self.rate_keep * tok + self._emitted[1]
+            sec = self.rate_keep * sec + draft_s + verify_s
+            self._rate_sums[B] = (tok, sec)
+            self.rate_seen[B] = tok / sec
         self._emitted = None
         t_pass, t_draft = self._model_costs(B)
         T = min(max(tokens_per_row, 1), len(t_pass))
