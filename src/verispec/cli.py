@@ -78,8 +78,10 @@ def cmd_generate(args) -> int:
     from .engine import GenerationParams, Request
     from .engine.core import ContextLengthError
     from .models import load_model
+    from .policy import resolve_k
     from .sampling import SamplingParams
 
+    args.k = resolve_k(args.policy, args.k)
     prompts = _read_prompts(args)
     if args.verify == "typical-lossy":
         print("WARNING: --verify typical-lossy is LOSSY: output is NOT distributed as the target's",
@@ -182,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-len", type=_positive_int, default=None, help="context per row (default: fit)")
     g.add_argument("--draft", default=None,
                    help="none | lookup[:N] | layerskip:N | a draft model (preset, path, hub id)")
-    g.add_argument("--k", type=_nonneg_int, default=4,
-                   help="draft tokens per step (the most, with the adaptive policy)")
+    g.add_argument("--k", type=_nonneg_int, default=None,
+                   help="draft tokens per step (the most, with the adaptive policy); "
+                        "default 8 with --policy adaptive, 4 with fixed")
     g.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed"],
                    help="adaptive: per row and step, measured costs and acceptance (never slower); "
                         "fixed: always k")

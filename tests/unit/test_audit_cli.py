@@ -15,7 +15,7 @@ def _args(*argv):
 
 def test_defaults():
     cfg = config_from_args(_args())
-    assert cfg.target == "smollm2-135m" and cfg.draft == "lookup" and cfg.k == 4
+    assert cfg.target == "smollm2-135m" and cfg.draft == "lookup" and cfg.k == 8
     assert cfg.rule == "rejection" and cfg.suite == "default" and cfg.temperature == 1.0
     assert cfg.batch_sizes == (1, 4, 16, 32) and cfg.sizes == AuditSizes.full()
     assert cfg.inject_fault is None
@@ -30,6 +30,9 @@ def test_quick_and_options():
     assert (cfg.k, cfg.seed, cfg.temperature, cfg.rule) == (3, 7, 0.7, "typical-lossy")
     assert cfg.inject_fault == "row-leak" and cfg.draft == "layerskip:20"
     assert config_from_args(_args("--quick")).batch_sizes == (1, 4, 16)
+    # --k defaults to a cap of 8 for the adaptive policy, 4 drafts every step for fixed
+    assert config_from_args(_args("--policy", "fixed")).k == 4
+    assert config_from_args(_args("--policy", "fixed", "--k", "6")).k == 6
 
 
 def test_inject_fault_is_hidden_from_help():

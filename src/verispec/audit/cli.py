@@ -46,8 +46,9 @@ def add_audit_parser(sub) -> None:
     a.add_argument("--target", default="smollm2-135m", help="preset, HF directory, GGUF file or hub id")
     a.add_argument("--draft", default="lookup",
                    help="lookup[:N] | layerskip:N | a draft model (preset, path, hub id); default lookup")
-    a.add_argument("--k", type=_positive_int, default=4,
-                   help="draft tokens per step (the most, with the adaptive policy; default 4)")
+    a.add_argument("--k", type=_positive_int, default=None,
+                   help="draft tokens per step (the most, with the adaptive policy); "
+                        "default 8 with --policy adaptive, 4 with fixed")
     from ..server.endpoint_audit import add_endpoint_arguments
     add_endpoint_arguments(a)
     a.add_argument("--batch-invariant", action="store_true",
@@ -102,9 +103,10 @@ def pick_threads(model, steps: int = 6) -> tuple[int, dict]:
 
 
 def config_from_args(args):
+    from ..policy import resolve_k
     from .context import AuditConfig, AuditSizes
     mode = "quick" if args.quick else "full"
-    return AuditConfig(target=args.target, draft=args.draft, k=args.k, policy=args.policy,
+    return AuditConfig(target=args.target, draft=args.draft, k=resolve_k(args.policy, args.k), policy=args.policy,
                        batch_invariant=args.batch_invariant, rule=args.verify, suite=args.suite,
                        batch_sizes=args.batch_sizes or DEFAULT_BATCH_SIZES[mode],
                        sizes=AuditSizes.quick() if args.quick else AuditSizes.full(),

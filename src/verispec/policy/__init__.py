@@ -70,6 +70,17 @@ class PolicyWrapper:
         return h(requests, k, i, active, conf) if h is not None else [False] * len(active)
 
 
+# --k when not given: the adaptive policy's k is a cap (a draft model or layer-skip stops
+# each row on its confidence; prompt lookup verifies what pays of what it finds), so it
+# defaults to the 8 its benchmarks ran with; a fixed k is paid every step, so it stays small
+DEFAULT_K = {"adaptive": 8, "fixed": 4}
+
+
+def resolve_k(kind: str, k: int | None) -> int:
+    """The --k a command runs with: the one given, else the policy's default."""
+    return DEFAULT_K.get(kind, 4) if k is None else k
+
+
 def make_policy(kind: str, target, drafter, max_batch: int, k: int):
     """The policy a CLI or server asks for: 'adaptive' (costs timed now, on this machine,
     up to max_batch rows and k drafts) or 'fixed' (always k); plain decoding where there

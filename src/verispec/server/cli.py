@@ -28,8 +28,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--target", required=True, help="preset name, HF directory, GGUF file or hub id")
     s.add_argument("--draft", default=None,
                    help="none | lookup[:N] | layerskip:N | a draft model (preset, path, hub id)")
-    s.add_argument("--k", type=_nonneg_int, default=4,
-                   help="draft tokens per step (the most, with the adaptive policy)")
+    s.add_argument("--k", type=_nonneg_int, default=None,
+                   help="draft tokens per step (the most, with the adaptive policy); "
+                        "default 8 with --policy adaptive, 4 with fixed")
     s.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed"],
                    help="adaptive: per row and step, from costs timed at start-up and running "
                         "acceptance (never slower); fixed: always k")
@@ -54,9 +55,11 @@ def build_state(args):
     from ..drafters import make_drafter
     from ..engine import Engine, EngineConfig
     from ..models import load_model
-    from ..policy import make_policy
+    from ..policy import make_policy, resolve_k
     from .app import ServerConfig, ServerState
     from .worker import PerRequestPolicy
+
+    args.k = resolve_k(args.policy, args.k)
 
     loaded = load_model(args.target)
     target, tok = loaded.model, loaded.tokenizer
