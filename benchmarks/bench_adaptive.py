@@ -54,14 +54,14 @@ def main():
     target, tok = loaded.model, loaded.tokenizer
     batches = [int(b) for b in args.batches.split(",")]
     fixed = [int(k) for k in args.fixed.split(",")]
-    rounds = [int(r) for r in args.rounds.split(",")]
-    if len(rounds) not in (1, len(batches)):
-        ap.error("--rounds takes one number or one per batch size")
-    rounds = dict(zip(batches, rounds * len(batches) if len(rounds) == 1 else rounds))
-    loads = [int(x) for x in args.load.split(",")]
-    if len(loads) not in (1, len(batches)) or min(loads) < 1:
-        ap.error("--load takes one positive number or one per batch size")
-    loads = dict(zip(batches, loads * len(batches) if len(loads) == 1 else loads))
+
+    def per_batch(flag: str, text: str) -> dict[int, int]:
+        # one positive number for every batch size, or one per batch size
+        xs = [int(x) for x in text.split(",")]
+        if len(xs) not in (1, len(batches)) or min(xs) < 1:
+            ap.error(f"{flag} takes one positive number or one per batch size")
+        return dict(zip(batches, xs * len(batches) if len(xs) == 1 else xs))
+    rounds, loads = per_batch("--rounds", args.rounds), per_batch("--load", args.load)
     kmax = max(fixed)
     prompts = suite_prompts(12, args.slices.split(",") if args.slices else None)
     by_slice = defaultdict(list)
