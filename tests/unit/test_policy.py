@@ -191,6 +191,39 @@ def test_model_free_drafter_settles_k_on_the_drafts_found():
     assert dm.trim(reqs, [3, 1, 0]) == [3, 1, 0]
 
 
+def test_model_free_drafter_is_not_asked_when_no_draft_could_pay():
+    # a pass that costs 1.5x per extra token per row, and a proposal that costs 1% of a
+    # pass per token: rows that accept half their drafts could not pay even with max_k
+    # found everywhere, so choose() spares the proposal (and asks again for a probe)
+    bp, tp = (1, 2), tuple(range(1, 10))
+    steep = CostModel(bp, tp, (tuple(1.0 + 0.5 * (t - 1) for t in tp),) * 2, (1, 2), (0.01, 0.01),
+                      draft_free=True)
+    p = AdaptivePolicy(steep, max_k=8)
+    reqs = [R("a"), R("b")]
+    for r in reqs:
+        p.choose([r])
+        p.rows[r.request_id].assume(0.5)
+    asked = []
+    for _ in range(3 * p.probe_interval(2)):
+        k = p.choose(reqs)
+        asked.append(max(k))
+        p.observe(reqs, p.trim(reqs, [0, 0]) if max(k) else k, [0, 0])
+    assert asked[0] == 0
+    assert 0 < sum(a > 0 for a in asked) <= 3  # probes only
+    # rows that nearly always accept: asking pays every step
+    for r in reqs:
+        p.rows[r.request_id].assume(0.99)
+    assert p.choose(reqs) == [8, 8]
+    # and where proposing costs as much as the pass, even perfect drafts cannot pay for it
+    dear = CostModel(bp, tp, (tuple(1.0 + 0.01 * (t - 1) for t in tp),) * 2, (1, 2), (1.0, 1.0),
+                     draft_free=True)
+    q = AdaptivePolicy(dear, max_k=8)
+    q.choose(reqs)
+    for r in reqs:
+        q.rows[r.request_id].assume(0.99)
+    assert q.choose(reqs) == [0, 0]
+
+
 def test_acceptance_is_tracked_per_draft_position():
     # lookup-like rows: the first draft is a coin toss, but a draft that survives it is a
     # copy that goes on. A geometric model (one rate for every position) would price k=8

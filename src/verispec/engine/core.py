@@ -51,7 +51,8 @@ class StepTimes:
     verify_forward_s: float = 0.0
     other_s: float = 0.0
     steps: int = 0
-    per_step: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent (batch, sum k, seconds)
+    # recent steps: (batch, drafts verified, tokens emitted, seconds)
+    per_step: deque = field(default_factory=lambda: deque(maxlen=4096))
 
     def to_dict(self) -> dict:
         total = self.prefill_s + self.draft_s + self.verify_forward_s + self.other_s
@@ -204,7 +205,7 @@ class Engine:
         # 5. commit: append emitted tokens, apply stops, roll caches back to each row's length
         out_l, acc_l = out.tolist(), n_acc.tolist()  # sync: one transfer for the whole batch
         num_l, drafts_l = num.tolist(), drafts.tolist()
-        committed, finished = [], []
+        committed, finished, n_out = [], [], 0
         for b, r in enumerate(reqs):
             emitted = out_l[b][:acc_l[b] + 1]
             r.stats.record_step(num_l[b], acc_l[b])
@@ -218,6 +219,7 @@ class Engine:
                 if len(r.output_ids) >= r.params.max_new_tokens:
                     reason = "length"
                     break
+            n_out += len(r.output_ids) - r.stats.generated_tokens
             r.stats.generated_tokens = len(r.output_ids)
             committed.append(self._committed_length(r))
             if reason:
@@ -240,7 +242,7 @@ class Engine:
         self.times.verify_forward_s += t3 - t2
         self.times.other_s += (t1 - t0) + (t4 - t3)
         self.times.steps += 1
-        self.times.per_step.append((B, int(num.sum()), t4 - t0))
+        self.times.per_step.append((B, int(num.sum()), n_out, t4 - t0))
         return [r for r, _ in finished]
 
     # Two small seams, kept as methods so that engine/faults.py can break them on purpose.

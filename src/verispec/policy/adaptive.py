@@ -499,10 +499,14 @@ class AdaptivePolicy:
     def choose(self, requests) -> list[int]:
         self._conf.clear()
         self._step = None
-        if self.costs.draft_free:  # asking costs nothing: trim() decides once drafts are found
-            for r in requests:
-                self._state(r).probing = False
-            return [self.max_k] * len(requests)
+        if self.costs.draft_free:  # trim() decides once drafts are found
+            states = [self._state(r) for r in requests]
+            for s in states:
+                s.probing = False
+            floor = self.probe_interval(len(states))
+            if self._asking_can_pay(states) or any(s.idle >= max(s.probe_every, floor) for s in states):
+                return [self.max_k] * len(requests)
+            return [0] * len(requests)
         states = [self._state(r) for r in requests]
         alphas = self._alphas(states)
         choice, rate = self._plan(alphas)
@@ -521,6 +525,18 @@ class AdaptivePolicy:
             choice = [self.max_k if c > 0 and not s.probing else c for c, s in zip(choice, states)]
         return choice
 
+    def _asking_can_pay(self, states) -> bool:
+        """For a model-free drafter: whether proposing can pay this step. Asking is cheap,
+        not free (the drafter's measured time per token x max_k). It is skipped when no
+        j drafts per row could beat plain decoding even if every row found max_k drafts,
+        which bounds what trim() could make of any drafts found."""
+        B = len(states)
+        E = self.expected_tokens(self._alphas(states))  # [B, K+1]
+        t_pass, t_draft = self._pass_costs(B)
+        ask = self.max_k * float(t_draft[B - 1])
+        rate = E.sum(0) / (t_pass + ask)  # [K+1]: every row verifies j drafts
+        return bool(rate[1:].max() > B / float(t_pass[0]) * (1.0 + self.min_gain))
+
     def trim(self, requests, found: list[int]) -> list[int]:
         """For a model-free drafter, after proposing and before verifying: how many of the
         drafts found per row to verify. The drafts found are the drafter's own output, not
@@ -531,6 +547,10 @@ class AdaptivePolicy:
             return list(found)
         states = [self._state(r) for r in requests]
         B, J = len(states), min(max(found, default=0), self.max_k)
+        floor = self.probe_interval(B)
+        for s, fb in zip(states, found):
+            if fb == 0 and s.idle >= max(s.probe_every, floor):
+                s.idle = 0  # a probe that found nothing to draft was taken: the next is an interval away
         if J == 0:  # nothing found anywhere: a plain step (observe() counts it as idle)
             for s in states:
                 s.probing = False
@@ -543,7 +563,6 @@ class AdaptivePolicy:
         j = int(np.argmax(rate))
         if rate[j] <= rate[0] * (1.0 + self.min_gain):
             j = 0
-        floor = self.probe_interval(B)
         due = [b for b, s in enumerate(states) if f[b] > 0 and s.idle >= max(s.probe_every, floor)]
         for s in states:
             s.probing = False
