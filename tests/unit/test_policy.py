@@ -430,3 +430,35 @@ def test_isotonic():
     from verispec.policy.adaptive import _isotonic
     assert list(_isotonic([1, 3, 2, 4], [1, 1, 1, 1])) == [1, 2.5, 2.5, 4]
     assert list(_isotonic([1, 2, 3], [1, 1, 1])) == [1, 2, 3]
+
+
+def test_a_settled_plan_is_reused_but_never_stale():
+    # planning runs with caches cold after every target pass (~0.3 ms a step measured):
+    # a policy that has settled reuses its plan while nothing it rests on moved
+    p = AdaptivePolicy(costs(draft=1.0), max_k=4)  # a draft costs a whole pass: k = 0
+    planned = []
+    inner = p._plan
+    p._plan = lambda a: planned.append(1) or inner(a)
+    reqs = [R("a")]
+    for _ in range(10):
+        assert p.choose(reqs) == [0]
+        p.observe(reqs, [0], [0])
+    assert len(planned) == 1
+    # the cost model moves (drafting measured at 1/20 of start-up): replanned within
+    # replan_every steps, and then the policy drafts
+    for _ in range(40):
+        p.observe_costs(1, 5, 1, 4, 4 * 0.05, 1.0)
+    ks = []
+    for _ in range(p.replan_every + 1):
+        ks.append(p.choose(reqs)[0])
+        p.observe(reqs, [0], [0])
+    assert ks[-1] > 0
+    # a new request, or a row's record changing, replans at once
+    q = AdaptivePolicy(costs(verify_slope=0.1, draft=0.001, flat_until=1), max_k=8)
+    a = [R("x")]
+    q.choose(a)
+    q.rows["x"].assume(0.0)
+    assert q.choose(a) == [0]
+    q.rows["x"].assume(0.95)
+    assert q.choose(a)[0] > 0
+    assert q.choose([R("x"), R("y")])[1] > 0  # a new row starts from the drafter's figures
