@@ -1,5 +1,6 @@
 """Adaptive speculation vs fixed k vs plain decoding, per audit slice and batch size,
-measured side by side (every configuration on the same prompts, interleaved per cell).
+measured side by side: every configuration on the same prompts, and by default decoding
+at the same time, one engine step of each in turn (--interleave step).
 
     python benchmarks/bench_adaptive.py --target smollm2-135m --draft lookup --batches 1,4,16
     python benchmarks/bench_adaptive.py --target smollm2-135m --draft layerskip:20
@@ -36,6 +37,23 @@ from verispec.policy import FixedK
 from verispec.policy.adaptive import AdaptivePolicy, measure_costs
 
 
+def _twin(drafter, target, max_rows: int, max_len: int):
+    """A drafter like `drafter` with per-row state of its own, sharing any weights."""
+    from verispec.drafters.draft_model import DraftModelDrafter
+    from verispec.drafters.layerskip import LayerSkipDrafter
+    from verispec.drafters.lookup import PromptLookupDrafter
+    if isinstance(drafter, DraftModelDrafter):
+        twin = DraftModelDrafter(drafter.model, drafter.target_vocab, max_rows=max_rows, max_len=max_len,
+                                 name=drafter.name)
+        twin.prompt_cache = drafter.prompt_cache
+        return twin
+    if isinstance(drafter, LayerSkipDrafter):
+        return LayerSkipDrafter(target, drafter.num_layers)
+    if isinstance(drafter, PromptLookupDrafter):
+        return PromptLookupDrafter(max_ngram=drafter.max_ngram)
+    raise TypeError(f"no twin for {type(drafter).__name__}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="smollm2-135m")
@@ -53,6 +71,10 @@ def main():
     ap.add_argument("--rounds", default="3",
                     help="repeat every configuration, interleaved; median of the per-round ratios "
                          "(one number, or one per batch size: small batches are short and noisy)")
+    ap.add_argument("--interleave", choices=("step", "run"), default="step",
+                    help="step: the configurations of a round decode side by side, one engine step "
+                         "each in turn, each timed on its own steps (a slow spell of the machine hits "
+                         "all alike); run: one configuration's whole run after another")
     ap.add_argument("--aa", action="store_true",
                     help="also run plain decoding a second time as a configuration: the noise floor")
     ap.add_argument("--json", default=None)
@@ -85,6 +107,10 @@ def main():
     prompt_cache = PromptCache(max_tokens=1 << 20)
     if hasattr(drafter, "prompt_cache"):
         drafter.prompt_cache = PromptCache(max_tokens=1 << 20)
+    # configurations decoding side by side each need a drafter of their own (a drafter
+    # keeps per-row state); a draft model's weights and prefill snapshots are shared
+    drafters = {f"k={k}": _twin(drafter, target, max(batches), max_len + kmax + 2) for k in fixed}
+    drafters["adaptive"] = drafter
     costs = {b: measure_costs(target, drafter, b, kmax) for b in batches}
     # one policy per batch size for the whole run, as a server keeps one: what it learns
     # about the drafter and its measured step times carries from request to request
@@ -107,26 +133,49 @@ def main():
         runs, runs_closed = defaultdict(list), defaultdict(list)
         for rnd in range(rounds[b]):
             # rotate the order each round: no configuration always runs first or last
-            for cfg in configs[rnd % len(configs):] + configs[:rnd % len(configs)]:
+            order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
+            engines = {}
+            for cfg in order:
                 if cfg in ("plain", "plain again"):
                     d, pol = None, FixedK(0)
                 elif cfg == "adaptive":
-                    d, pol = drafter, adaptive[b]
+                    d, pol = drafters[cfg], adaptive[b]
                 else:
-                    d, pol = drafter, FixedK(int(cfg[2:]))
-                eng = Engine(target, d, pol, EngineConfig(max_batch=b, max_len=max_len),
-                             prompt_cache=prompt_cache)
-                reqs = [Request(x, GenerationParams(max_new_tokens=args.max_new, ignore_eos=True)) for x in ids]
-                t = time.perf_counter()
-                eng.run(reqs)
+                    d, pol = drafters[cfg], FixedK(int(cfg[2:]))
+                engines[cfg] = Engine(target, d, pol, EngineConfig(max_batch=b, max_len=max_len),
+                                      prompt_cache=prompt_cache)
+            reqs = {cfg: [Request(x, GenerationParams(max_new_tokens=args.max_new, ignore_eos=True))
+                          for x in ids] for cfg in order}
+            secs = dict.fromkeys(order, 0.0)
+            if args.interleave == "step":
+                # one step of each configuration in turn: a slow spell of the shared
+                # machine lands on every configuration alike, not on whichever ran then
+                for cfg in order:
+                    for r in reqs[cfg]:
+                        engines[cfg].add(r)
+                live = list(order)
+                while live:
+                    for cfg in list(live):
+                        t = time.perf_counter()
+                        engines[cfg].step()
+                        secs[cfg] += time.perf_counter() - t
+                        if not engines[cfg].has_work:
+                            live.remove(cfg)
+            else:  # one configuration after another
+                for cfg in order:
+                    t = time.perf_counter()
+                    engines[cfg].run(reqs[cfg])
+                    secs[cfg] = time.perf_counter() - t
+            for cfg in order:
+                eng = engines[cfg]
                 # decode throughput: prefill (target and drafter) is the same work in every
                 # configuration, so it is left out rather than allowed to dilute the ratios
-                dt = time.perf_counter() - t - eng.times.prefill_s
-                runs_closed[cfg].append(sum(len(r.output_ids) for r in reqs) / dt)
+                dt = secs[cfg] - eng.times.prefill_s
+                runs_closed[cfg].append(sum(len(r.output_ids) for r in reqs[cfg]) / dt)
                 full = [(n, s) for bb, _, n, s in eng.times.per_step if bb == b]
                 runs[cfg].append(sum(n for n, _ in full) / sum(s for _, s in full))
                 if cfg == "adaptive":
-                    ks = [k for r in reqs for k in r.stats.k_chosen]
+                    ks = [k for r in reqs[cfg] for k in r.stats.k_chosen]
                     chosen[(sl, b)] = sum(ks) / len(ks)
         # a ratio is taken within a round (configurations side by side), then the median
         # over rounds: a slow spell of the machine moves a round's ratios far less than
@@ -143,7 +192,7 @@ def main():
           f"decode throughput (prefill excluded), {args.load} requests per batch slot"
           f"{f' (batch {args.batches})' if ',' in args.load else ''}"
           f"{f' (at most {args.max_requests} per cell)' if args.max_requests else ''}; median over {args.rounds} "
-          f"interleaved rounds of the ratio to plain decoding in the same round; "
+          f"rounds (configurations interleaved per {args.interleave}) of the ratio to plain decoding in the same round; "
           f"speedup over plain decoding (adaptive: mean k chosen); full-batch throughput, with the "
           f"closed-batch figure (drain included) in brackets")
     print("| batch | slice | plain tok/s | " + " | ".join(configs[1:]) + " | adaptive / best fixed |")
