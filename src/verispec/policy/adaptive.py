@@ -513,7 +513,7 @@ class AdaptivePolicy:
         extra = (float(t[1]) - float(t[0]) + float(d[0])) / float(t[0]) if len(t) > 1 else 0.0
         return min(max(self.min_probe, int(np.ceil(extra / self.probe_budget))), 100 * self.max_probe)
 
-    def _planned(self, requests, states):
+    def _planned(self, ids, states):
         """(alphas, plan, probe floor) for this step: the plan is choose()'s (choice,
         rate), or for a model-free drafter whether asking can pay. Reused from the last
         step while nothing it rests on moved: the same requests, and no draft observed
@@ -522,7 +522,6 @@ class AdaptivePolicy:
         Planning is a few dozen small numpy operations that run with caches cold after
         each target pass: ~0.3 ms a step measured, 1% of a SmolLM2 step at batch 4, paid
         every step by a policy that has settled on drafting nothing."""
-        ids = [r.request_id for r in requests]
         key = (self._version, tuple(st.edits for st in states))
         m = self._memo
         if m is not None and m[0] == ids and m[1] == key and m[2] > 0:
@@ -540,8 +539,8 @@ class AdaptivePolicy:
         states = [self._state(r) for r in requests]
         for s in states:
             s.probing = False
-        alphas, plan, floor = self._planned(requests, states)
         ids = [r.request_id for r in requests]
+        alphas, plan, floor = self._planned(ids, states)
         if self.costs.draft_free:  # trim() decides once drafts are found
             self._step = (ids, alphas, 0.0)  # trim() reuses them
             if plan or any(s.idle >= max(s.probe_every, floor) for s in states):
