@@ -49,8 +49,9 @@ def test_measure_costs_other_drafters(models, kind):
     c = measure_costs(target, d, 3, 4)
     assert c.batch_pts == (1, 2, 3) and c.token_pts == (1, 2, 3, 5)
     assert c.draft_rows == (1, 2, 3) and all(t > 0 for t in c.draft_s)
-    if kind == "layerskip":  # one of three layers: cheaper than the target's pass
-        assert c.draft_s[0] < c.target_s[0][0]
+    # what the policy is told about the drafter (speed is the benchmarks' business: a
+    # timing comparison here failed under load on 2 shared cores)
+    assert c.draft_free == (kind == "lookup") and c.halts == (kind == "layerskip")
 
 
 @pytest.fixture(scope="module")
