@@ -61,7 +61,8 @@ def main():
                                           progress=False)
         eng = Engine(target, drafters[spec], FixedK(args.k),
                      EngineConfig(max_batch=len(ids), max_len=max_len, rule=rule))
-        sp = SamplingParams(temperature=temp, seed=args.seed)
+        # coupled=False under rejection: a seeded generator, not keyed noise (the default for seeds)
+        sp = SamplingParams(temperature=temp, seed=args.seed, coupled=rule == "coupled")
         reqs = [Request(x, GenerationParams(max_new_tokens=args.max_new, sampling=sp, ignore_eos=True))
                 for x in ids]
         t = time.perf_counter()

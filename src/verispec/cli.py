@@ -83,6 +83,17 @@ def cmd_generate(args) -> int:
 
     args.k = resolve_k(args.policy, args.k)
     prompts = _read_prompts(args)
+    if args.verify == "greedy" and args.temperature != 0:
+        raise UsageError(f"--verify greedy verifies temperature-0 decoding only (got --temperature "
+                         f"{args.temperature:g}); use --verify rejection or coupled to sample")
+    if args.verify == "coupled" and args.temperature != 0 and args.seed is None:
+        raise UsageError("--verify coupled reproduces seeded plain decoding: give --seed")
+    try:
+        sampling = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                   min_p=args.min_p, seed=None if args.seed is None else args.seed + i)
+                    for i in range(len(prompts))]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.verify == "typical-lossy":
         print("WARNING: --verify typical-lossy is LOSSY: output is NOT distributed as the target's",
               file=sys.stderr)
@@ -90,9 +101,6 @@ def cmd_generate(args) -> int:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, progress=not args.json, batch_invariant=args.batch_invariant)
     tok, target = loaded.tokenizer, loaded.model
-    sampling = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                               seed=None if args.seed is None else args.seed + i)
-                for i in range(len(prompts))]
     stops = tuple(target.config.eos_token_ids) + ((tok.eos_token_id,) if tok.eos_token_id is not None else ())
     ids = [encode_prompt(tok, p, args.chat) for p in prompts]
     max_len = args.max_len or min(target.config.max_position_embeddings,
@@ -118,7 +126,7 @@ def cmd_generate(args) -> int:
     for prompt, r in zip(prompts, reqs):
         text = tok.decode(r.output_ids, skip_special_tokens=True)
         stats = r.stats.to_dict()
-        stats.update(finish_reason=r.finish_reason, rule=args.verify, lossy=engine.config.lossy,
+        stats.update(finish_reason=r.finish_reason, rule=engine.rule_for(r), lossy=engine.config.lossy,
                      drafter=args.draft or "none", k=args.k if args.draft else 0,
                      policy=args.policy if args.draft else "none")
         if args.json:
@@ -132,7 +140,8 @@ def cmd_generate(args) -> int:
         acc = sum(r.stats.accepted for r in reqs)
         passes = sum(r.stats.target_passes for r in reqs)
         summary += (f"; acceptance {acc / drafted:.1%}, {n_tokens / passes:.2f} tokens per target pass, "
-                    f"rule {args.verify}{' (LOSSY)' if engine.config.lossy else ''}")
+                    f"rule {'/'.join(sorted({engine.rule_for(r) for r in reqs}))}"
+                    f"{' (LOSSY)' if engine.config.lossy else ''}")
     print(summary, file=sys.stderr)
     return 0
 
@@ -179,7 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=_nonneg_int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None, help="prompt i uses seed + i")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below min_p x the top token's probability (0 = off)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="prompt i uses seed + i; a seeded prompt gives the same tokens with or "
+                        "without speculation, any drafter, k, policy or batch size")
     g.add_argument("--batch-size", type=_positive_int, default=8)
     g.add_argument("--max-len", type=_positive_int, default=None, help="context per row (default: fit)")
     g.add_argument("--draft", default=None,

@@ -70,7 +70,41 @@ def test_generate_json_on_smollm2(capsys):
     assert rc == 0
     obj = json.loads(out.strip().splitlines()[-1])
     assert obj["prompt"] == "def fib(n):" and len(obj["token_ids"]) == 12 and obj["text"]
-    assert obj["stats"]["rule"] == "rejection" and obj["stats"]["drafter"] == "lookup"
+    # the rule that verified the row: temperature 0 is greedy whatever --verify says
+    assert obj["stats"]["rule"] == "greedy" and obj["stats"]["drafter"] == "lookup"
     plain_rc, plain_out, _ = run(capsys, "generate", "--model", "smollm2-135m", "--prompt", "def fib(n):",
                                  "--max-new-tokens", "12", "--json", "--ignore-eos")
     assert json.loads(plain_out.strip().splitlines()[-1])["token_ids"] == obj["token_ids"]
+
+
+@pytest.mark.slow
+def test_generate_same_seed_same_tokens_on_smollm2(capsys, tmp_path):
+    """Issue 18: `generate --seed 7 --temperature 0.8` and the same with prompt lookup and
+    --verify coupled agreed on 1 of 16 prompts; seeded requests are now keyed by default."""
+    prompts = tmp_path / "p.jsonl"
+    texts = ["def fib(n):", "The capital of France is", "1, 2, 3, 4,", "import numpy as np\n"]
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    common = ("generate", "--model", "smollm2-135m", "--prompts", str(prompts), "--max-new-tokens", "16",
+              "--temperature", "0.8", "--seed", "7", "--json", "--ignore-eos")
+    outs = []
+    for extra in ((), ("--draft", "lookup", "--verify", "coupled"), ("--draft", "lookup"),
+                  ("--draft", "layerskip:20", "--policy", "fixed", "--k", "3", "--batch-size", "1")):
+        rc, out, _ = run(capsys, *common, *extra)
+        assert rc == 0
+        objs = [json.loads(line) for line in out.strip().splitlines()]
+        assert {o["stats"]["rule"] for o in objs} == {"coupled"}
+        outs.append([o["token_ids"] for o in objs])
+    assert all(o == outs[0] for o in outs[1:])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--verify", "greedy", "--temperature", "0.8"), "temperature-0 decoding only"),
+    (("--temperature", "1e-39"), "at least 0.01"),
+    (("--temperature", "nan"), "finite"),
+    (("--top-p", "0"), "top_p"),
+    (("--min-p", "1.5"), "min_p"),
+    (("--verify", "coupled", "--temperature", "0.7"), "give --seed"),
+])
+def test_generate_refuses_bad_sampling_before_loading(capsys, argv, message):
+    rc, out, err = run(capsys, "generate", "--model", "no-such-model", "--prompt", "x", *argv)
+    assert rc == 2 and message in err and "Traceback" not in err

@@ -155,7 +155,11 @@ class AuditContext:
         return GenerationParams(max_new_tokens=self.config.sizes.max_new_tokens, stop_token_ids=self.stops)
 
     def sampled_params(self, seed: int, max_new: int) -> GenerationParams:
-        s = SamplingParams(temperature=self.config.temperature, seed=seed)
+        # the seed makes the run reproducible; the rule under audit decides how it is used:
+        # keyed noise for `coupled`, a seeded generator (so rejection sampling is what gets
+        # tested) for every other rule
+        s = SamplingParams(temperature=self.config.temperature, seed=seed,
+                           coupled=self.config.rule == "coupled")
         return GenerationParams(max_new_tokens=max_new, sampling=s, ignore_eos=True)
 
     def decode(self, ids: list[int]) -> str:

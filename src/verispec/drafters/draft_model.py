@@ -56,8 +56,8 @@ class DraftModelDrafter:
         B, K = len(rows), max(k, default=0)
         out = torch.zeros(B, K, dtype=torch.long)  # [B,K]
         # only the rejection-style rules read q: greedy rows draft the argmax (q one-hot,
-        # which None says cheaply) and coupled rows share the target's keyed noise
-        need_q = any(not (sampling[b].greedy or sampling[b].coupled) for b in range(B) if k[b] > 0)
+        # which None says cheaply) and seeded rows draw with the keyed noise the target verifies with
+        need_q = any(not (sampling[b].greedy or sampling[b].keyed) for b in range(B) if k[b] > 0)
         probs = torch.zeros(B, K, self.target_vocab) if need_q else None  # [B,K,V]
         num = torch.tensor(k, dtype=torch.long)  # [B]
         active = [b for b in range(B) if k[b] > 0]

@@ -8,6 +8,7 @@ A plain decoding step is the same step with k = 0 drafts for every row.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -91,8 +92,13 @@ class Engine:
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= V:
             raise ValueError(f"prompt token ids must lie in the vocabulary [0, {V})")
         sp = req.params.sampling
-        if self.config.rule == "coupled" and not sp.greedy and not sp.coupled:
-            seed = sp.seed if sp.seed is not None else int(torch.randint(2 ** 62, ()))
+        if self.config.rule == "greedy" and not sp.greedy:
+            raise ValueError(f"rule 'greedy' verifies temperature-0 requests only (this one has "
+                             f"temperature {sp.temperature}); use rule 'rejection' or 'coupled'")
+        if self.config.rule == "coupled" and not sp.greedy and sp.seed is None:
+            # an unseeded request on a coupled engine: a seed from OS entropy (never the
+            # global torch RNG, which starts from the same state in every process)
+            seed = secrets.randbits(63)
             req.params = replace(req.params, sampling=replace(sp, coupled=True, seed=seed))
         if req.generator is None:
             req.generator = req.params.sampling.make_generator()
@@ -118,35 +124,97 @@ class Engine:
         if self.drafter is not None:
             self.drafter.release([req.row])
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Request]:
+        """Move waiting requests into free rows and prefill them. Returns the requests
+        whose admission failed (finish_reason "error"); a batched prefill that raises is
+        taken again one request at a time, so only the request that fails fails."""
         new = []
         while self.waiting and len(self.running) + len(new) < self.config.max_batch:
             new.append(self.waiting.popleft())
         if not new:
-            return
+            return []
         t0 = time.perf_counter()
         rows = self.cache.alloc(len(new))
         for r, row in zip(new, rows):
             r.row, r._t0 = row, t0
-        try:  # prefill all but the pending token (the last prompt token)
-            prefill(self.target, self.cache, rows, [r.prompt_ids[:-1] for r in new], self.prompt_cache)
-            if self.drafter is not None:
-                self.drafter.admit(rows, [r.tokens for r in new])
-        except Exception:  # nobody holds these rows now: free them before reporting the failure
-            for r in new:
-                self._finish(r, "error")
-            raise
-        self.running.extend(new)
+        groups = [new]
+        failed = []
+        while groups:
+            group = groups.pop()
+            try:
+                self._prefill(group)
+                self.running.extend(group)
+            except Exception:  # noqa: BLE001 - split the group until the failing request is alone
+                if len(group) == 1:
+                    self._fail(group[0])
+                    failed.append(group[0])
+                else:
+                    groups += [[r] for r in group]
         self.times.prefill_s += time.perf_counter() - t0
+        return failed
+
+    def _prefill(self, group: list[Request]) -> None:
+        """Prefill all but the pending token (the last prompt token) of each request."""
+        rows = [r.row for r in group]
+        self.cache.truncate(rows, [0] * len(rows))
+        if self.drafter is not None:
+            self.drafter.rollback(rows, [0] * len(rows))
+        prefill(self.target, self.cache, rows, [r.prompt_ids[:-1] for r in group], self.prompt_cache)
+        if self.drafter is not None:
+            self.drafter.admit(rows, [r.tokens for r in group])
 
     # -- the step ----------------------------------------------------------------
     def step(self) -> list[Request]:
         """One propose -> verify -> accept -> commit step for every running row.
-        Returns the requests that finished in this step."""
-        self._admit()
+        Returns the requests that finished in this step (finish_reason "error" for a
+        row that failed: its `error` says why; the other rows are not touched).
+
+        A step that raises for the whole batch (a drafter or a model forward failing
+        on one row's input) is undone and taken again one row at a time, so the row
+        that fails fails alone. Undoing is a length change: every cache row goes back
+        to what it held before the step; tokens are appended only in the commit."""
+        failed = self._admit()
         reqs = self.running
         if not reqs:
-            return []
+            return failed
+        lengths = [len(r.tokens) - 1 for r in reqs]
+        try:
+            return failed + self._step(reqs)
+        except Exception:  # noqa: BLE001 - isolate the row that fails (below)
+            if len(reqs) == 1:
+                self._undo(reqs, lengths)
+                self._fail(reqs[0])
+                self.running = []
+                return failed + reqs
+            self._undo(reqs, lengths)
+        finished = failed
+        for r in list(reqs):
+            self.running = [r]
+            try:
+                finished += self._step([r])
+            except Exception:  # noqa: BLE001 - this row's own failure
+                self._undo([r], [len(r.tokens) - 1])
+                self._fail(r)
+                finished.append(r)
+        self.running = [r for r in reqs if not r.finished]
+        return finished
+
+    def _undo(self, reqs: list[Request], lengths: list[int]) -> None:
+        rows = [r.row for r in reqs]
+        self.cache.truncate(rows, [min(int(self.cache.lengths[row]), n) for row, n in zip(rows, lengths)])
+        if self.drafter is not None:
+            self.drafter.rollback(rows, lengths)
+
+    def _fail(self, r: Request, why: str | None = None) -> None:
+        """End one row with finish_reason "error"; the message names the exception."""
+        if why is None:
+            import sys
+            e = sys.exc_info()[1]
+            why = f"{type(e).__name__}: {e}" if e is not None else "unknown error"
+        r.error = f"the engine step failed for this request ({why}); other requests were not affected"
+        self._finish(r, "error")
+
+    def _step(self, reqs: list[Request]) -> list[Request]:
         t0 = time.perf_counter()
         B, rows = len(reqs), [r.row for r in reqs]
         n0 = [len(r.tokens) for r in reqs]  # sequence lengths; cache holds n0 - 1
@@ -181,32 +249,39 @@ class Engine:
         logits = self.target.forward(x, self.cache, rows, (num + 1).tolist())  # [B,K+1,V]
         t3 = time.perf_counter()
         # 4. accept per row: greedy rows together, sampled rows each with its own random
-        #    source (a generator, or noise keyed on (seed, position) for coupled rows)
+        #    source (noise keyed on (seed, position) for seeded rows, else a generator).
+        #    A row whose logits or probabilities are not finite fails alone.
         out = torch.full((B, K + 1), -1, dtype=torch.long)  # [B,K+1]
         n_acc = torch.zeros(B, dtype=torch.long)  # [B]
-        greedy = [b for b, r in enumerate(reqs) if r.params.sampling.greedy]
+        used = torch.arange(K + 1) <= num[:, None]  # [B,K+1] positions a row verifies
+        finite = (torch.isfinite(logits).all(-1) | ~used).all(-1).tolist()  # sync: [B] flags
+        failed = {b: "the model's logits are not finite" for b in range(B) if not finite[b]}
+        greedy = [b for b, r in enumerate(reqs) if r.params.sampling.greedy and b not in failed]
         if greedy:
             gi = torch.tensor(greedy)
             o, a = verify("greedy", logits[gi], None, drafts[gi], num[gi], None)
             out[gi], n_acc[gi] = o, a
         for b, r in enumerate(reqs):
-            if r.params.sampling.greedy:
-                continue
-            p = logits_to_probs(logits[b:b + 1], r.params.sampling)  # [1,K+1,V]
-            qb = None if q is None else q[b:b + 1, :, :p.shape[-1]]
             sp = r.params.sampling
-            if sp.coupled:
-                noise = keyed_gumbel(sp.seed, range(n0[b], n0[b] + K + 1), p.shape[-1])[None]
-                o, a = verify("coupled", p, None, drafts[b:b + 1], num[b:b + 1], noise)
-            else:
-                rule = "rejection" if self.config.rule == "coupled" else self.config.rule
-                o, a = verify(rule, p, qb, drafts[b:b + 1], num[b:b + 1], r.generator)
+            if sp.greedy or b in failed:
+                continue
+            try:
+                p = logits_to_probs(logits[b:b + 1], sp)  # [1,K+1,V]
+                if not bool(torch.isfinite(p[0, :int(num[b]) + 1]).all()):
+                    raise FloatingPointError("the sampling distribution is not finite")
+                o, a = self._accept(b, r, p, q, drafts, num, n0[b], K)
+            except Exception as e:  # noqa: BLE001 - this row fails; the batch goes on
+                failed[b] = f"{type(e).__name__}: {e}"
+                continue
             out[b], n_acc[b] = o[0], a[0]
         # 5. commit: append emitted tokens, apply stops, roll caches back to each row's length
         out_l, acc_l = out.tolist(), n_acc.tolist()  # sync: one transfer for the whole batch
         num_l, drafts_l = num.tolist(), drafts.tolist()
         committed, finished, n_out = [], [], 0
         for b, r in enumerate(reqs):
+            if b in failed:  # keeps its pre-step length; freed below
+                committed.append(n0[b] - 1)
+                continue
             emitted = out_l[b][:acc_l[b] + 1]
             r.stats.record_step(num_l[b], acc_l[b])
             r.stats.trace.append((n0[b], drafts_l[b][:num_l[b]], acc_l[b], k[b]))
@@ -229,6 +304,9 @@ class Engine:
             self.drafter.rollback(rows, committed)
         for r, reason in finished:
             self._finish(r, reason)
+        for b, why in failed.items():
+            self._fail(reqs[b], why)
+            finished.append((reqs[b], "error"))
         # after the step: the policy never sees verdicts early. It learns from what it
         # asked for: a draft the drafter could not find (no lookup match) counts as a
         # rejected one, since the step paid for it in the same way
@@ -244,6 +322,27 @@ class Engine:
         self.times.steps += 1
         self.times.per_step.append((B, int(num.sum()), n_out, t4 - t0))
         return [r for r, _ in finished]
+
+    def rule_for(self, r: Request) -> str:
+        """The rule that verifies request r's rows: greedy at temperature 0; typical-lossy
+        on an engine that runs it; coupled for a seeded (keyed) request, so its tokens are
+        those of seeded plain decoding; rejection (with the request's generator) otherwise."""
+        sp = r.params.sampling
+        if sp.greedy:
+            return "greedy"
+        if self.config.rule == "typical-lossy":
+            return "typical-lossy"
+        return "coupled" if sp.keyed else "rejection"
+
+    def _accept(self, b: int, r: Request, p, q, drafts, num, n0: int, K: int):
+        """Verify sampled row b (p [1,K+1,V]) with rule_for(r); coupled rows use the noise
+        keyed on (seed, sequence index) at indices n0..n0+K."""
+        rule = self.rule_for(r)
+        if rule == "coupled":
+            noise = keyed_gumbel(r.params.sampling.seed, range(n0, n0 + K + 1), p.shape[-1])[None]  # [1,K+1,V]
+            return verify("coupled", p, None, drafts[b:b + 1], num[b:b + 1], noise)
+        qb = None if q is None else q[b:b + 1, :, :p.shape[-1]]  # [1,K,V]
+        return verify(rule, p, qb, drafts[b:b + 1], num[b:b + 1], r.generator)
 
     # Two small seams, kept as methods so that engine/faults.py can break them on purpose.
     def _pending_tokens(self, reqs: list[Request]) -> torch.Tensor:

@@ -87,6 +87,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None  # with finish_reason "error": what failed, for the caller
     stats: RequestStats = field(default_factory=RequestStats)
     # engine-owned state
     row: int | None = None

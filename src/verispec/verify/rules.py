@@ -263,7 +263,7 @@ def coupled(
     if not isinstance(generator, torch.Tensor) or generator.shape != target_probs.shape:
         raise ValueError("rule 'coupled' needs keyed Gumbel noise shaped like target_probs "
                          "[B, K+1, V] as its random source")
-    scores = torch.log(target_probs.float()) + generator  # [B, K+1, V]; log 0 = -inf stays out
+    scores = torch.log(target_probs.double()) + generator  # [B, K+1, V]; log 0 = -inf stays out
     return greedy(scores, None, draft_tokens, num_drafts, None)
 
 
