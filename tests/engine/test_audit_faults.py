@@ -18,6 +18,10 @@ CAUGHT_BY = {
     "residual-not-normalised": "distribution",  # only visible when sampling (temperature > 0)
     "draft-no-catchup": "drafter-consistency",  # output stays exact; only the proposals go stale
     "row-leak": "equivalence",
+    # issue 15: faults the distribution check's id-ordered PIT alone passed end to end
+    "relaxed-acceptance": "distribution",
+    "recovered-from-p": "distribution",
+    "bonus-previous-position": "distribution",
 }
 CHECKS = ["lossy-rule", "equivalence", "distribution", "drafter-consistency", "corruption", "slices",
           "load", "record"]
@@ -133,3 +137,32 @@ def test_consistency_oracle_agrees_with_each_healthy_drafter(models, kind):
             assert bad == [], (kind, batch, bad[:3])
             compared += c
         assert compared > 20
+
+
+def test_typical_lossy_fails_on_the_statistics_alone(models, tmp_path):
+    """With the lossy-rule name check set aside, the distribution check itself fails."""
+    report = _report(tiny_audit(models, rule="typical-lossy"), tmp_path)
+    dist = next(c for c in report["checks"] if c["name"] == "distribution")
+    assert not dist["passed"] and not dist["figures"]["inconclusive"], dist["summary"]
+    assert [t["test"] for t in dist["figures"]["tests"] if not t["passed"]]
+
+
+def test_distribution_reports_each_test_and_the_drafts_it_verified(models, tmp_path):
+    report = _report(tiny_audit(models), tmp_path)
+    f = next(c for c in report["checks"] if c["name"] == "distribution")["figures"]
+    assert {t["test"] for t in f["tests"]} == {"pit", "recovered", "bonus", "calibration"}
+    assert f["correction"] == "Bonferroni" and f["alpha_each"] == pytest.approx(f["alpha"] / 4)
+    assert f["verified_drafts"] >= f["min_verified_drafts"] and all(t["n"] > 0 for t in f["tests"])
+
+
+def test_too_few_verified_drafts_is_inconclusive_and_fails(models, tmp_path, monkeypatch):
+    import dataclasses
+
+    from tests import audit_tiny
+    real = audit_tiny.AuditConfig
+    monkeypatch.setattr(audit_tiny, "AuditConfig",
+                        lambda **kw: dataclasses.replace(real(**kw), min_verified_drafts=10 ** 6))
+    report = _report(tiny_audit(models), tmp_path)
+    dist = next(c for c in report["checks"] if c["name"] == "distribution")
+    assert not dist["passed"] and dist["figures"]["inconclusive"] and "INCONCLUSIVE" in dist["summary"]
+    assert report["verdict"] == "fail"

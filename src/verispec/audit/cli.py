@@ -68,6 +68,12 @@ def add_audit_parser(sub) -> None:
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--temperature", type=_positive_float, default=1.0,
                    help="temperature of the distribution check (default 1.0)")
+    a.add_argument("--top-k", type=int, default=0, help="the deployment's top-k in the distribution check (0 = off)")
+    a.add_argument("--top-p", type=float, default=1.0, help="the deployment's top-p (1 = off)")
+    a.add_argument("--min-p", type=float, default=0.0, help="the deployment's min-p (0 = off)")
+    a.add_argument("--min-verified-drafts", type=int, default=200,
+                   help="the distribution check is inconclusive, and fails, with fewer verified draft "
+                        "tokens (default 200; 0 accepts a check that exercised no speculation)")
     a.add_argument("--prompt-format", choices=("auto", "chat", "raw"), default="auto",
                    help="auto (default): the chat template when the tokenizer has one, else raw text")
     a.add_argument("--threads", type=_threads, default="auto",
@@ -110,8 +116,9 @@ def config_from_args(args):
                        batch_invariant=args.batch_invariant, rule=args.verify, suite=args.suite,
                        batch_sizes=args.batch_sizes or DEFAULT_BATCH_SIZES[mode],
                        sizes=AuditSizes.quick() if args.quick else AuditSizes.full(),
-                       seed=args.seed, temperature=args.temperature, prompt_format=args.prompt_format,
-                       inject_fault=args.inject_fault)
+                       seed=args.seed, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       min_p=args.min_p, min_verified_drafts=args.min_verified_drafts,
+                       prompt_format=args.prompt_format, inject_fault=args.inject_fault)
 
 
 def cmd_audit(args) -> int:

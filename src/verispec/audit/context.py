@@ -67,6 +67,11 @@ class AuditConfig:
     sizes: AuditSizes = field(default_factory=AuditSizes.full)
     seed: int = 0
     temperature: float = 1.0  # distribution check
+    top_k: int = 0  # the deployment's sampling settings, applied in the distribution check
+    top_p: float = 1.0
+    min_p: float = 0.0
+    # the distribution check is inconclusive (and fails) with fewer verified drafts
+    min_verified_drafts: int = 200
     prompt_format: str = "auto"  # auto | chat | raw; auto = chat when the tokenizer has a template
     inject_fault: str | None = None  # test-only: a name from engine/faults.py
 
@@ -81,6 +86,9 @@ class AuditConfig:
             raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
         if not self.temperature > 0:
             raise ValueError(f"the distribution check needs temperature > 0, got {self.temperature}")
+        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        if self.min_verified_drafts < 0:
+            raise ValueError(f"min_verified_drafts must be >= 0, got {self.min_verified_drafts}")
         if self.prompt_format not in ("auto", "chat", "raw"):
             raise ValueError(f"prompt_format must be auto, chat or raw, got {self.prompt_format!r}")
         if self.inject_fault is not None and self.inject_fault not in FAULTS:
@@ -158,8 +166,9 @@ class AuditContext:
         # the seed makes the run reproducible; the rule under audit decides how it is used:
         # keyed noise for `coupled`, a seeded generator (so rejection sampling is what gets
         # tested) for every other rule
-        s = SamplingParams(temperature=self.config.temperature, seed=seed,
-                           coupled=self.config.rule == "coupled")
+        c = self.config
+        s = SamplingParams(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p, min_p=c.min_p, seed=seed,
+                           coupled=c.rule == "coupled")
         return GenerationParams(max_new_tokens=max_new, sampling=s, ignore_eos=True)
 
     def decode(self, ids: list[int]) -> str:

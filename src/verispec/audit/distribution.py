@@ -1,7 +1,23 @@
-"""The distribution check: sample with the speculative engine at temperature > 0, then
-teacher-force the target on every output and test the randomised PIT for uniformity
-(see stats.py). Requests run to a fixed length (EOS ignored) so the sample size is known
-in advance; the test stays valid, as p is recomputed for exactly the emitted prefix."""
+"""The distribution check: sample with the speculative engine at temperature > 0 (under the
+audited top-k / top-p / min-p), teacher-force the target on every output for its exact p
+at every emitted position, and test what each mechanism of the rule promises (stats.py):
+
+* **pit**: every emitted token, randomised PIT over descending p, KS test;
+* **calibration**: every verified draft token is kept with probability exactly
+  min(1, p(d)/q(d)) (q from the engine's per-step record; 1 for prompt lookup), z-test;
+* **recovered**: tokens emitted in place of a rejected draft follow the residual
+  normalise(max(0, p - q)); q at the rejected position is one-hot for prompt lookup
+  (p without d) and kept by the engine for a drafter with q, up to REJECTED_Q_BYTES;
+* **bonus**: tokens after a step whose every draft was kept follow p at their position.
+
+Half the requests run under the deployed policy, half with drafting forced (a fixed k),
+so a policy that drafts little cannot make the check vacuous. The tests are combined by
+Bonferroni: each runs at ALPHA / m for the m tests with data, so a correct engine fails
+this check in at most ALPHA of audits. A check that verified fewer draft tokens than
+`min_verified_drafts` is *inconclusive*, which fails it: it proved nothing about the
+speculative paths. Requests run to a fixed length (EOS ignored) so the sample size is
+known in advance; the tests stay valid, as p is recomputed for exactly the emitted prefix.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +27,56 @@ import time
 import torch
 
 from ..engine import Request
+from ..policy import FixedK
 from ..sampling import logits_to_probs
 from .checks import CheckResult
 from .context import AuditContext
 from .equivalence import teacher_forced_logits
-from .stats import randomized_pit, test_uniform
+from .stats import calibration_test, randomized_pit, test_uniform
 
-ALPHA = 1e-3
+ALPHA = 1e-3  # family-wise: false alarms of the correct engine in at most 1 audit in 1,000
+MIN_TOKENS_PER_PIT = 20  # a PIT family with fewer tokens is not run (and not counted in m)
+REJECTED_Q_BYTES = 64 * 2 ** 20  # per sampling run: q rows kept for the recovered-token test
+
+
+def _sample(ctx: AuditContext, reqs: list[Request], batch: int, max_len: int, policy, label: str) -> float:
+    engine = ctx.engine(batch, max_len, policy=policy)
+    engine.keep_rejected_q = REJECTED_Q_BYTES // (4 * ctx.model.config.vocab_size)
+    t0 = time.perf_counter()
+    with ctx.progress.stage(f"distribution: sampling, {label}", len(reqs)) as bar, ctx.fault():
+        engine.run(reqs, on_finish=lambda r: bar.advance())
+    return time.perf_counter() - t0
+
+
+def _mechanisms(r: Request, p: torch.Tensor):
+    """From one request's per-step record and its teacher-forced p [n_out,V]: verified
+    drafts as (a, kept), recovered tokens as (output index, residual [V]) where q at the
+    rejected position is known (one-hot, or kept by the engine), bonus output indices."""
+    P = len(r.prompt_ids)
+    calib, recovered, bonus = [], [], []
+    for step, ((n0, drafts, acc, _), qd) in enumerate(zip(r.stats.trace, r.stats.draft_q)):
+        if not drafts or qd is None:
+            continue
+        for i in range(min(acc + 1, len(drafts))):  # the drafts the rule looked at
+            j = n0 + i - P  # output index of the token emitted at draft i's position
+            if j >= p.shape[0]:
+                break
+            a = 1.0 if qd[i] <= 0 and float(p[j, drafts[i]]) > 0 else min(1.0, float(p[j, drafts[i]]) / max(qd[i], 1e-300))
+            calib.append((a, int(i < acc)))
+            if i == acc:
+                if step in r.stats.rejected_q:
+                    res = (p[j] - r.stats.rejected_q[step][:p.shape[-1]].to(p.dtype)).clamp_min(0)
+                elif qd[i] == 1.0:  # one-hot q: the residual is p without the draft
+                    res = p[j].clone()
+                    res[drafts[i]] = 0.0
+                else:
+                    continue
+                if float(res.sum()) > 1e-6:  # the engine's zero-residual guard samples from p there
+                    recovered.append((j, res / res.sum()))
+        j = n0 + len(drafts) - P
+        if acc == len(drafts) and j < p.shape[0]:
+            bonus.append(j)
+    return calib, recovered, bonus
 
 
 def distribution_check(ctx: AuditContext) -> CheckResult:
@@ -29,31 +88,75 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     reqs = [Request(ids, ctx.sampled_params(cfg.seed * 1_000_003 + i, max_new))
             for i, ids in enumerate(prompt_of)]
     batch = min(max(cfg.batch_sizes), n_req)
-    engine = ctx.engine(batch, max(map(len, prompt_of)) + max_new)
-    t0 = time.perf_counter()
-    with ctx.progress.stage(f"distribution: sampling, T={cfg.temperature:g}, b={batch}", n_req) as bar, \
-            ctx.fault():
-        engine.run(reqs, on_finish=lambda r: bar.advance())
-    sample_s = time.perf_counter() - t0
+    max_len = max(map(len, prompt_of)) + max_new
+    forced = cfg.policy != "fixed"  # the deployed policy may draft little: force drafting too
+    halves = [(reqs[: n_req // 2], "deployed policy"), (reqs[n_req // 2:], f"fixed k={cfg.k}")] if forced \
+        else [(reqs, f"fixed k={cfg.k}")]
+    sample_s = 0.0
+    for part, label in halves:
+        if part:
+            policy = FixedK(cfg.k) if label.startswith("fixed") else None
+            sample_s += _sample(ctx, part, min(batch, len(part)), max_len, policy,
+                                f"T={cfg.temperature:g}, {label}, b={min(batch, len(part))}")
     # teacher-force the target (outside any fault) for its exact p at every emitted position
     g = torch.Generator().manual_seed(cfg.seed)
-    us = []
+    us, us_rec, us_bonus, calib = [], [], [], []
     with ctx.progress.stage("distribution: teacher forcing", n_req) as bar:
         for r in reqs:
             P = len(r.prompt_ids)
             logits = teacher_forced_logits(ctx.model, r.tokens[:-1], first=P - 1)  # [n_out,V]
             p = logits_to_probs(logits, r.params.sampling)  # [n_out,V]
-            us.append(randomized_pit(p, torch.tensor(r.output_ids), g))
+            out = torch.tensor(r.output_ids)
+            us.append(randomized_pit(p, out, g))
+            c, rec, bonus = _mechanisms(r, p)
+            calib += c
+            if rec:
+                idx = torch.tensor([j for j, _ in rec])
+                us_rec.append(randomized_pit(torch.stack([res for _, res in rec]), out[idx], g))  # [n_rec]
+            if bonus:
+                us_bonus.append(randomized_pit(p[bonus], out[bonus], g))
             bar.advance()
-    test = test_uniform(torch.cat(us).numpy())  # sync: every u at once, for scipy
+    families = {"pit": torch.cat(us)}
+    for name, parts in (("recovered", us_rec), ("bonus", us_bonus)):
+        u = torch.cat(parts) if parts else torch.empty(0)
+        if u.numel() >= MIN_TOKENS_PER_PIT:
+            families[name] = u
+    results = {name: test_uniform(u.numpy()) for name, u in families.items()}  # sync: for scipy
+    calib_res = calibration_test([a for a, _ in calib], [k for _, k in calib]) if calib else None
+    m = len(results) + (calib_res is not None)
+    alpha_each = ALPHA / m
+    tests = [{"test": name, "kind": "KS, PIT over descending p", "statistic": t.ks_statistic, "n": t.n,
+              "p_value": t.p_value, "alpha": alpha_each, "passed": t.passed(alpha_each)}
+             for name, t in results.items()]
+    if calib_res is not None:
+        tests.append({"test": "calibration", "kind": "z, kept vs min(1, p/q)", "statistic": calib_res.z,
+                      "n": calib_res.n, "p_value": calib_res.p_value, "alpha": alpha_each,
+                      "passed": calib_res.passed(alpha_each), "kept": calib_res.kept,
+                      "expected": calib_res.expected})
+    verified = calib_res.n if calib_res is not None else 0
     drafted = sum(r.stats.drafted for r in reqs)
     accepted = sum(r.stats.accepted for r in reqs)
     tokens = sum(len(r.output_ids) for r in reqs)
-    passed = test.passed(ALPHA)
-    summary = (f"KS p = {test.p_value:.3g} over {test.n} sampled tokens at T={cfg.temperature:g} "
-               + ("(uniform PIT: exact)" if passed else f"< {ALPHA:g}: the sampler is biased"))
-    figures = {"temperature": cfg.temperature, "rule": cfg.rule, "alpha": ALPHA, **test.to_dict(),
-               "requests": n_req, "batch": batch, "max_new_tokens": max_new, "eos_ignored": True,
+    failed = [t["test"] for t in tests if not t["passed"]]
+    inconclusive = not failed and verified < cfg.min_verified_drafts
+    passed = not failed and not inconclusive
+    pit = results["pit"]
+    if failed:
+        summary = (f"{', '.join(failed)} failed at alpha {alpha_each:.2g} each (Bonferroni over {m}): "
+                   "the sampler is biased")
+    elif inconclusive:
+        summary = (f"INCONCLUSIVE: only {verified} verified draft tokens (< {cfg.min_verified_drafts} "
+                   "needed); the speculative paths were hardly exercised")
+    else:
+        summary = (f"{m} tests pass at family-wise alpha {ALPHA:g}: PIT KS p = {pit.p_value:.3g} over "
+                   f"{pit.n} tokens, {verified} verified drafts calibrated"
+                   + (f" (z = {calib_res.z:+.2f})" if calib_res is not None else "") + f", T={cfg.temperature:g}")
+    figures = {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p,
+               "rule": cfg.rule, "alpha": ALPHA, "alpha_each": alpha_each, "correction": "Bonferroni",
+               **pit.to_dict(), "tests": tests, "verified_drafts": verified,
+               "min_verified_drafts": cfg.min_verified_drafts, "inconclusive": inconclusive,
+               "drafting_forced": forced, "requests": n_req, "batch": batch, "max_new_tokens": max_new,
+               "eos_ignored": True, "drafted": drafted,
                "acceptance_rate": accepted / drafted if drafted else None,
                "mean_accepted_length": tokens / sum(r.stats.target_passes for r in reqs),
                "sampling_tokens_per_s": tokens / sample_s if sample_s else None}

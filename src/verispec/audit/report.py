@@ -196,6 +196,12 @@ def _sections(report: dict) -> list[tuple[str, list[str], list[list]]]:
                                                                "alpha", "acceptance", "tokens/pass", "passed"],
                     [[f["temperature"], f["n"], _f(f["ks_statistic"], ".4f"), _f(f["p_value"], ".3g"), f["alpha"],
                       _pct(f["acceptance_rate"]), _f(f["mean_accepted_length"]), d["passed"]]]))
+        if f.get("tests"):
+            out.append((f"Distribution: one test per mechanism ({f['correction']}, alpha {f['alpha']:g} in all; "
+                        f"{f['verified_drafts']} verified drafts, at least {f['min_verified_drafts']} needed)",
+                        ["test", "kind", "n", "statistic", "p-value", "alpha", "passed"],
+                        [[t["test"], t["kind"], t["n"], _f(t["statistic"], ".3g"), _f(t["p_value"], ".3g"),
+                          _f(t["alpha"], ".2g"), t["passed"]] for t in f["tests"]]))
     c = _check(report, "drafter-consistency")
     if c and c["figures"].get("applicable"):
         out.append(("Drafter consistency", ["batch", "positions compared", "near-ties", "mismatches"],

@@ -1,10 +1,20 @@
-"""Statistics that let the audit fail: the randomised probability integral transform.
+"""Statistics that let the audit fail: the randomised probability integral transform,
+and a calibration test of the verified draft tokens.
 
-For every emitted token x with the target's exact distribution p at its position
-(teacher-forced), u = F(x-) + U * p(x), with F the CDF over the token-id order and
-U ~ Uniform(0,1) independent. Under an exact sampler the u values are i.i.d.
-Uniform(0,1), whatever p is; a biased sampler (typical acceptance, thresholds below
-1, an unnormalised residual) shifts mass and the Kolmogorov-Smirnov test sees it.
+PIT. For every emitted token x with the target's exact distribution p at its position
+(teacher-forced), u = F(x-) + U * p(x), with U ~ Uniform(0,1) independent and F the CDF
+over tokens ordered by *descending p* (ties by token id). The order is a function of p,
+itself a function of the past, so under an exact sampler the u values are still i.i.d.
+Uniform(0,1) whatever p is. Ordered by descending p, a sampler biased toward likely
+tokens (typical acceptance, a relaxed threshold, drafts of a confident drafter) piles
+mass near 0, where an order by token id scatters it over [0, 1] and averages it out.
+
+Calibration. A verified draft token d (one the rule looked at: every accepted draft and
+the first rejected one) is kept with probability exactly a = min(1, p(d)/q(d)) under
+exact rejection sampling (q one-hot: a = p(d)). Over n verified drafts,
+z = sum(1{kept} - a) / sqrt(sum a (1 - a)) is asymptotically standard normal; a relaxed
+threshold, a recovered token drawn from p (which may equal d), or a q that is not the one
+the drafts were drawn from all move it.
 """
 
 from __future__ import annotations
@@ -17,13 +27,51 @@ from scipy import stats as sps
 
 
 def randomized_pit(probs: torch.Tensor, tokens: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """probs [N,V] exact target distributions, tokens [N] emitted -> u [N] in [0,1]."""
+    """probs [N,V] exact target distributions, tokens [N] emitted -> u [N] in [0,1], the CDF
+    taken over tokens in descending-p order (ties by token id)."""
     probs = probs.double()
-    cdf_before = probs.cumsum(-1).gather(-1, tokens[:, None]).squeeze(-1) - probs.gather(
-        -1, tokens[:, None]).squeeze(-1)  # F(x-) [N]
-    px = probs.gather(-1, tokens[:, None]).squeeze(-1)  # [N]
+    px = probs.gather(-1, tokens[:, None])  # [N,1]
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    before = (probs > px) | ((probs == px) & (ids[None, :] < tokens[:, None]))  # [N,V]
+    cdf_before = (probs * before).sum(-1)  # F(x-) [N]
     u = torch.rand(tokens.shape[0], generator=generator, dtype=torch.float64)
-    return (cdf_before + u * px).clamp(0.0, 1.0)
+    return (cdf_before + u * px.squeeze(-1)).clamp(0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class CalibrationTest:
+    """z-test of verified drafts' acceptance against its exact probability (two-sided)."""
+
+    n: int  # verified draft tokens
+    kept: int
+    expected: float  # sum of a
+    z: float
+    p_value: float
+
+    def passed(self, alpha: float) -> bool:
+        return self.p_value > alpha
+
+    def to_dict(self) -> dict:
+        return {"n": self.n, "kept": self.kept, "expected": self.expected, "z": self.z, "p_value": self.p_value}
+
+
+def calibration_test(accept_prob, kept) -> CalibrationTest:
+    """accept_prob [n] exact acceptance probabilities a, kept [n] 0/1 outcomes."""
+    a = np.asarray(accept_prob, dtype=np.float64)
+    k = np.asarray(kept, dtype=np.float64)
+    if a.shape != k.shape or a.size == 0:
+        raise ValueError("need one outcome per acceptance probability, and at least one")
+    var = float((a * (1 - a)).sum())
+    diff = float(k.sum() - a.sum())
+    if var <= 1e-12:  # every a is 0 or 1: any outcome off it is impossible under the null
+        z = 0.0 if abs(diff) < 0.5 else float(np.sign(diff) * 1e9)  # finite, for JSON
+    else:
+        z = diff / var ** 0.5
+    p = float(2 * sps.norm.sf(abs(z)))
+    return CalibrationTest(n=int(a.size), kept=int(k.sum()), expected=float(a.sum()), z=float(z), p_value=p)
+
+
+calibration_test.__test__ = False
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,9 @@ class Engine:
         self.cache = target.new_cache(config.max_batch, config.max_len + slack)
         if hasattr(drafter, "bind_cache"):
             drafter.bind_cache(self.cache)
+        # the audit sets this: keep q at the rejected position for up to this many rejections
+        # (RequestStats.rejected_q), so it can test recovered tokens against the residual
+        self.keep_rejected_q = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.times = StepTimes()
@@ -277,6 +280,8 @@ class Engine:
         # 5. commit: append emitted tokens, apply stops, roll caches back to each row's length
         out_l, acc_l = out.tolist(), n_acc.tolist()  # sync: one transfer for the whole batch
         num_l, drafts_l = num.tolist(), drafts.tolist()
+        # q of each draft token, for the audit's calibration test (rows verified by rejection)
+        qd_l = None if q is None else q.gather(-1, drafts[..., None]).squeeze(-1).tolist()  # [B,K]
         committed, finished, n_out = [], [], 0
         for b, r in enumerate(reqs):
             if b in failed:  # keeps its pre-step length; freed below
@@ -285,6 +290,13 @@ class Engine:
             emitted = out_l[b][:acc_l[b] + 1]
             r.stats.record_step(num_l[b], acc_l[b])
             r.stats.trace.append((n0[b], drafts_l[b][:num_l[b]], acc_l[b], k[b]))
+            if self.rule_for(r) not in ("rejection", "typical-lossy"):  # rules that draw with a generator
+                r.stats.draft_q.append(None)
+            else:  # no q from the drafter: q is one-hot at its draft (prompt lookup)
+                r.stats.draft_q.append(qd_l[b][:num_l[b]] if qd_l is not None else [1.0] * num_l[b])
+                if self.keep_rejected_q > 0 and q is not None and acc_l[b] < num_l[b]:
+                    self.keep_rejected_q -= 1  # q at the rejected position, for the audit's residual test
+                    r.stats.rejected_q[len(r.stats.trace) - 1] = q[b, acc_l[b]].clone()
             reason = None
             for tok in emitted:
                 r.output_ids.append(tok)

@@ -16,7 +16,42 @@ FAULTS = {
     "residual-not-normalised": "recovered tokens drawn from the unnormalised residual by inverse CDF",
     "draft-no-catchup": "the draft cache skips the last draft token after a bonus token",
     "row-leak": "a row's pending token leaks into its neighbour's verify input every 5th step",
+    "relaxed-acceptance": "drafts accepted with probability min(1, 2 p/q) instead of min(1, p/q)",
+    "recovered-from-p": "the token after a rejected draft is drawn from p instead of the residual",
+    "bonus-previous-position": "the bonus token is drawn from p at the last draft's position",
 }
+
+
+def _faulty_rejection(fault: str):
+    """Rejection sampling with one of three mistakes of the kind the audit must catch end to
+    end (issue 15); the exact rule is verify/rules.py:rejection."""
+    from ..verify import rules
+
+    def rule(target_probs, draft_probs, draft_tokens, num_drafts, generator):
+        valid = rules._check_inputs(target_probs, draft_probs, draft_tokens, num_drafts)  # [B,K]
+        B, K1, V = target_probs.shape
+        K, rows = K1 - 1, torch.arange(B)
+        tok = torch.where(valid, draft_tokens, 0).long()
+        p_x = target_probs[:, :K].gather(-1, tok[..., None]).squeeze(-1).double()
+        q_x = torch.ones_like(p_x) if draft_probs is None else \
+            draft_probs.gather(-1, tok[..., None]).squeeze(-1).double()
+        u = torch.ones(B, K, dtype=torch.float64)
+        u[valid] = torch.rand(int(valid.sum()), dtype=torch.float64, generator=generator)
+        scale = 2.0 if fault == "relaxed-acceptance" else 1.0
+        n_acc = (valid & (u * q_x < scale * p_x)).long().cumprod(1).sum(1)  # [B]
+        pos = n_acc.clone()
+        if fault == "bonus-previous-position":
+            pos = torch.where(n_acc == num_drafts, (n_acc - 1).clamp(min=0), n_acc)
+        nxt = target_probs[rows, pos]  # [B,V]
+        if K > 0 and fault != "recovered-from-p":
+            j = n_acc.clamp(max=K - 1)
+            q_j = torch.nn.functional.one_hot(tok[rows, j], V).to(nxt.dtype) if draft_probs is None \
+                else draft_probs[rows, j].to(nxt.dtype)
+            res = (nxt - q_j).clamp_min(0)
+            use = (n_acc < num_drafts) & (res.sum(-1) > rules.RESIDUAL_EPS)
+            nxt = torch.where(use[:, None], res, nxt)
+        return rules._emit(draft_tokens, n_acc, rules.sample_from_probs(nxt, generator))
+    return rule
 
 
 @contextlib.contextmanager
@@ -55,6 +90,8 @@ def inject(name: str):
                 x[0] = x[1].clone()
             return x
         patch(core.Engine, "_pending_tokens", leaky)
+    elif name in ("relaxed-acceptance", "recovered-from-p", "bonus-previous-position"):
+        patch(rules, "RULES", {**rules.RULES, "rejection": _faulty_rejection(name)})
     try:
         yield
     finally:
