@@ -14,6 +14,7 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.lookup import PromptLookupDrafter
 from verispec.engine import Engine, EngineConfig, GenerationParams, Request
 from verispec.policy import FixedK
+from verispec.sampling import SamplingParams
 from verispec.server import ServerConfig, ServerState, create_app
 
 V = 97
@@ -93,7 +94,8 @@ class SlowTarget:
 
 def make_state(drafter: str | None = "draft", k: int = 3, max_batch: int = 8, max_len: int = 256,
                max_queue: int = 16, api_key: str | None = None, rule: str = "rejection",
-               delay_s: float = 0.0, model: str = "target", policy: str = "fixed") -> ServerState:
+               delay_s: float = 0.0, model: str = "target", policy: str = "fixed",
+               metrics_public: bool = False, drain_timeout_s: float = 30.0) -> ServerState:
     """model "draft" serves the draft model as the target: a server that answers differently.
     policy "adaptive": the adaptive policy on a cost model where drafting pays (so that it
     drafts, and halts rows, on the tiny models whatever this machine's timings)."""
@@ -111,14 +113,21 @@ def make_state(drafter: str | None = "draft", k: int = 3, max_batch: int = 8, ma
     engine = Engine(target, d, pol,
                     EngineConfig(max_batch=max_batch, max_len=max_len, rule=rule))
     return ServerState(engine, CharTokenizer(), ServerConfig(model_name=MODEL, api_key=api_key,
-                                                             max_queue=max_queue, drafter=drafter))
+                                                             metrics_public=metrics_public,
+                                                             max_queue=max_queue, drafter=drafter,
+                                                             drain_timeout_s=drain_timeout_s))
 
 
-def plain_reference(prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool = False):
-    """Offline plain decoding (no drafter) of the same prompts: [(output ids, finish reason)]."""
+def plain_reference(prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool = False,
+                    sampling: list | None = None):
+    """Offline plain decoding (no drafter) of the same prompts: [(output ids, finish reason)].
+    sampling: per prompt SamplingParams (default greedy); a seeded (keyed) one gives the
+    tokens that the server must give with or without speculation."""
     eng = Engine(target_model(), None, FixedK(0), EngineConfig(max_batch=8, max_len=256))
     stops = () if ignore_eos else (CharTokenizer.eos_token_id,)
-    reqs = [Request(p, GenerationParams(max_new_tokens=m, stop_token_ids=stops)) for p, m in zip(prompts, max_tokens)]
+    sampling = sampling or [SamplingParams()] * len(prompts)
+    reqs = [Request(p, GenerationParams(max_new_tokens=m, stop_token_ids=stops, sampling=sp))
+            for p, m, sp in zip(prompts, max_tokens, sampling)]
     eng.run(reqs)
     return [(r.output_ids, r.finish_reason) for r in reqs]
 

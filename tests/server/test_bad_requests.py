@@ -57,8 +57,30 @@ CASES = [
     ("temperature -1", "POST", C, body(temperature=-1), {}, 400, "temperature", "invalid_value"),
     ("temperature is a string", "POST", C, body(temperature="hot"), {}, 400, "temperature", "invalid_type"),
     ("temperature is a bool", "POST", C, body(temperature=True), {}, 400, "temperature", "invalid_type"),
+    ("temperature below the floor", "POST", C, body(temperature=0.001), {}, 400, "temperature", "invalid_value"),
+    ("temperature 1e-39", "POST", C, body(temperature=1e-39), {}, 400, "temperature", "invalid_value"),
+    ("temperature 2.5", "POST", C, body(temperature=2.5), {}, 400, "temperature", "invalid_value"),
+    ("temperature 1e999 (inf)", "POST", C, b'{"model": "tiny", "prompt": "x", "temperature": 1e999}', {}, 400,
+     "temperature", "invalid_value"),
+    ("temperature NaN as a string", "POST", C, body(temperature="NaN"), {}, 400, "temperature", "invalid_type"),
     ("top_p 2", "POST", C, body(top_p=2), {}, 400, "top_p", "invalid_value"),
     ("top_p 0", "POST", C, body(top_p=0), {}, 400, "top_p", "invalid_value"),
+    ("top_p -1e999", "POST", C, b'{"model": "tiny", "prompt": "x", "top_p": -1e999}', {}, 400, "top_p",
+     "invalid_value"),
+    ("top_k -2", "POST", C, body(top_k=-2), {}, 400, "top_k", "invalid_value"),
+    ("top_k is a float", "POST", C, body(top_k=2.5), {}, 400, "top_k", "invalid_type"),
+    ("min_p 1.5", "POST", C, body(min_p=1.5), {}, 400, "min_p", "invalid_value"),
+    ("min_p -0.1", "POST", C, body(min_p=-0.1), {}, 400, "min_p", "invalid_value"),
+    ("repetition_penalty", "POST", C, body(repetition_penalty=1.2), {}, 400, "repetition_penalty",
+     "unsupported_parameter"),
+    ("min_tokens", "POST", C, body(min_tokens=5), {}, 400, "min_tokens", "unsupported_parameter"),
+    ("stop string too long", "POST", C, body(stop=["x" * 257]), {}, 400, "stop", "invalid_value"),
+    ("too many stop strings", "POST", C, body(stop=[str(i) for i in range(17)]), {}, 400, "stop",
+     "invalid_value"),
+    ("seed below int64", "POST", C, body(seed=-(2 ** 63) - 1), {}, 400, "seed", "invalid_value"),
+    ("seed above uint64", "POST", C, body(seed=2 ** 64), {}, 400, "seed", "invalid_value"),
+    ("rule coupled without a seed", "POST", C, body(temperature=0.7, verispec={"rule": "coupled"}), {}, 400,
+     "verispec.rule", "invalid_value"),
     ("n=2", "POST", C, body(n=2), {}, 400, "n", "unsupported_parameter"),
     ("stop is a number", "POST", C, body(stop=123), {}, 400, "stop", "invalid_type"),
     ("stop list holds a number", "POST", C, body(stop=["a", 1]), {}, 400, "stop", "invalid_type"),
@@ -77,6 +99,9 @@ CASES = [
     ("wrong API key", "POST", C, OK, {"Authorization": "Bearer sk-wrong"}, 401, None, "invalid_api_key"),
     ("not a bearer token", "POST", C, OK, {"Authorization": f"Basic {KEY}"}, 401, None, "invalid_api_key"),
     ("models without API key", "GET", "/v1/models", None, {"Authorization": None}, 401, None, "invalid_api_key"),
+    ("metrics without API key", "GET", "/metrics", None, {"Authorization": None}, 401, None, "invalid_api_key"),
+    ("metrics with a wrong API key", "GET", "/metrics", None, {"Authorization": "Bearer sk-wrong"}, 401, None,
+     "invalid_api_key"),
     ("chat: missing messages", "POST", CHAT, chat(messages=...), {}, 400, "messages",
      "missing_required_parameter"),
     ("chat: empty messages", "POST", CHAT, chat(messages=[]), {}, 400, "messages", "invalid_value"),
@@ -121,8 +146,84 @@ def test_bad_request(http, name, method, path, payload, headers, status, param, 
     assert http.get("/health").json() == {"status": "ok"}
 
 
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.01}, {"temperature": 2}, {"temperature": 1, "top_k": 10 ** 30}, {"temperature": 1, "top_k": -1},
+    {"temperature": 1, "min_p": 1}, {"temperature": 1, "min_p": 0.2, "top_p": 1e-9}, {"seed": -(2 ** 63)},
+    {"seed": 2 ** 64 - 1, "temperature": 0.5}, {"stop": ["x" * 256] * 16}, {"repetition_penalty": 1},
+], ids=str)
+def test_edges_that_are_valid(http, params):
+    """The edges of each valid range are served (a huge top_k keeps every token)."""
+    r = http.post(C, json=body(**params), headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
 def test_still_serving_after_the_table(http):
     r = http.post(C, json=OK, headers=AUTH)
     assert r.status_code == 200 and r.json()["choices"][0]["text"]
-    m = http.get("/metrics").text
+    m = http.get("/metrics", headers=AUTH).text
     assert 'status="400"' in m and 'status="401"' in m and 'status="404"' in m
+
+
+class CountingTokenizer:
+    """The character tokenizer, counting the characters it is asked to tokenize."""
+
+    def __init__(self, inner):
+        self.inner, self.chars = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, text):
+        self.chars += len(text)
+        return self.inner(text)
+
+    def apply_chat_template(self, messages, **kw):
+        self.chars += sum(len(m["content"]) for m in messages)
+        return self.inner.apply_chat_template(messages, **kw)
+
+
+def test_a_large_prompt_never_blocks_the_event_loop():
+    """A 2.5 MB prompt that passes the length guard (here: tokens up to 10,000 characters
+    long) is tokenized in the pool thread, which takes a while with this pure-Python
+    tokenizer; meanwhile /health answers at once. Then the prompt is refused (too long)."""
+    import threading
+    import time
+    state = make_state(drafter=None, max_len=MAX_LEN)
+    state.tokenizer = CountingTokenizer(state.tokenizer)
+    state.max_token_chars = 10_000  # 2 * 128 * 10,000 chars: the guard lets 2.5 MB through
+    prompt = "abcdefghij" * 250_000
+    with LiveServer(state) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        done, result = threading.Event(), {}
+
+        def big():
+            t0 = time.perf_counter()
+            result["r"] = httpx.post(s.url + C, json=body(prompt=prompt), timeout=60)
+            result["s"] = time.perf_counter() - t0
+            done.set()
+        threading.Thread(target=big, daemon=True).start()
+        latencies = []
+        while not done.wait(0.01):
+            if state.tokenizer.chars >= len(prompt):  # tokenizing now
+                t0 = time.perf_counter()
+                assert c.get("/health").json() == {"status": "ok"}
+                latencies.append(time.perf_counter() - t0)
+        r = result["r"]
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert latencies, "no /health probe ran while the prompt was tokenized"
+        assert max(latencies) < 0.5, latencies
+        assert result["s"] > 3 * max(latencies), (result["s"], latencies)  # the probe did overlap real work
+
+
+def test_the_length_guard_refuses_without_tokenizing():
+    state = make_state(drafter=None, max_len=MAX_LEN)
+    state.tokenizer = CountingTokenizer(state.tokenizer)
+    with LiveServer(state) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        r = c.post(C, json=body(prompt="x" * 3_000_000))
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        # many messages, each short enough alone, too long together
+        msgs = [{"role": "user", "content": "y" * (MAX_LEN * state.max_token_chars)}] * 8
+        r = c.post(CHAT, json=chat(messages=msgs))
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert r.json()["error"]["param"] == "messages"
+        assert state.tokenizer.chars == 0

@@ -121,7 +121,77 @@ def test_a_failing_step_fails_its_batch_and_the_server_goes_on(prompt):
     with LiveServer(state) as s, httpx.Client(base_url=s.url, timeout=30) as c:
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert r.json()["error"]["code"] == "generation_failed" and "injected failure" in r.json()["error"]["message"]
         assert c.get("/health").json() == {"status": "ok"}
         ok = c.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0})
         assert ok.status_code == 200
         assert idle(wait_metrics(s.url, idle))
+
+
+class NaNTarget:
+    """The tiny target, except that rows whose input holds token `bad` get NaN logits."""
+
+    def __init__(self, inner, bad):
+        self.inner, self.bad, self.config = inner, bad, inner.config
+
+    def new_cache(self, *a, **kw):
+        return self.inner.new_cache(*a, **kw)
+
+    def forward(self, tokens, *a, **kw):
+        logits = self.inner.forward(tokens, *a, **kw)
+        rows = (tokens == self.bad).any(-1)  # [B]
+        return logits.masked_fill(rows[:, None, None], float("nan")) if bool(rows.any()) else logits
+
+
+def test_a_row_with_non_finite_logits_fails_alone():
+    """The engine ends a row whose logits are not finite with finish_reason "error"; the
+    worker answers that request 500 (a stream: an error event), counts it, and the rows
+    decoding beside it finish equal to plain decoding."""
+    import json
+
+    from tests.server.helpers import CharTokenizer, reference_text
+    good = [("abc", 40), ("hello there", 30)]
+    refs = [reference_text(p, n) for p, n in good]
+    tok = CharTokenizer()
+    bad = next(c for c in "~}|{`^" if all(c not in t for t, _ in refs))  # a character no good row emits
+    state = make_state(drafter="lookup", max_batch=4, delay_s=0.01)
+    state.engine.target = NaNTarget(state.engine.target, bad=tok.encode(bad)[0])
+
+    async def go(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async def stream(prompt, n, temperature):
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": temperature, "stream": True}
+                events = []
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                return events
+
+            async def post(prompt, n, temperature):
+                return await c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": n,
+                                                            "temperature": temperature})
+            return await asyncio.gather(
+                stream(good[0][0], good[0][1], 0), post(good[1][0], good[1][1], 0),
+                post("xy" + bad, 8, 0), post("zz" + bad, 8, 1.0), stream("q" + bad, 8, 0.7))
+
+    with LiveServer(state) as s:
+        before = metric(httpx.get(s.url + "/metrics").text, "verispec_request_finish_total", reason="error")
+        s0, p1, bad_greedy, bad_sampled, bad_stream = asyncio.run(go(s.url))
+        text0 = "".join(json.loads(e)["choices"][0]["text"] for e in s0[:-1] if json.loads(e).get("choices"))
+        assert s0[-1] == "[DONE]" and (text0, json.loads(s0[-2])["choices"][0]["finish_reason"]) == refs[0]
+        assert p1.status_code == 200
+        assert (p1.json()["choices"][0]["text"], p1.json()["choices"][0]["finish_reason"]) == refs[1]
+        for r in (bad_greedy, bad_sampled):
+            assert r.status_code == 500, r.text
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and err["code"] == "generation_failed"
+            assert "not finite" in err["message"] and "other requests were not affected" in err["message"]
+        assert bad_stream[-1] == "[DONE]"
+        err = json.loads(bad_stream[-2])["error"]
+        assert err["code"] == "generation_failed" and "not finite" in err["message"]
+        m = wait_metrics(s.url, idle)
+        assert idle(m)
+        assert metric(m, "verispec_request_finish_total", reason="error") == before + 3
+        assert httpx.get(s.url + "/health").json() == {"status": "ok"}

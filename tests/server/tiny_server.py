@@ -1,9 +1,11 @@
 """The tiny test server in its own process, for the load test (its RSS is the server's alone).
 
     python -m tests.server.tiny_server [--max-batch 8] [--max-queue 16] [--k 3] [--max-len 256]
+        [--delay-s 0] [--drain-timeout 30]
 
 Binds 127.0.0.1 on a free port and prints "PORT <n>" once it serves. It stops by itself
-when its standard input closes (the test ended or died) or after --max-seconds.
+when its standard input closes (the test ended or died) or after --max-seconds; SIGTERM
+drains as `verispec serve` does (the same make_server).
 """
 
 import argparse
@@ -12,10 +14,8 @@ import threading
 import time
 
 import torch
-import uvicorn
-
 from tests.server.helpers import free_socket, make_state
-from verispec.server import create_app
+from verispec.server.app import make_server
 
 
 def main() -> None:
@@ -25,11 +25,13 @@ def main() -> None:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--max-seconds", type=float, default=300)
+    p.add_argument("--delay-s", type=float, default=0.0, help="sleep per target forward pass")
+    p.add_argument("--drain-timeout", type=float, default=30.0)
     args = p.parse_args()
     torch.set_num_threads(1)
     state = make_state(drafter="draft", k=args.k, max_batch=args.max_batch, max_queue=args.max_queue,
-                       max_len=args.max_len)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning"))
+                       max_len=args.max_len, delay_s=args.delay_s, drain_timeout_s=args.drain_timeout)
+    server = make_server(state, log_level="warning")
     sock = free_socket()
 
     def announce():

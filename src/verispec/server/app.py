@@ -3,7 +3,9 @@
 
 `create_app(state)` takes a ServerState (or a function that makes one), so the engine,
 the model and the tokenizer are injected: `verispec serve` builds them from presets,
-tests from tiny random models.
+tests from tiny random models. `make_server(state, ...)` wraps it in a uvicorn server
+whose SIGTERM (or first Ctrl-C) drains: new requests get 503, those in flight finish
+or, after `drain_timeout_s`, fail with 503 "server shutting down"; then it exits (0).
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import asyncio
 import hmac
 import json
 import logging
+import math
+import secrets
+import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +43,7 @@ from .protocol import (
     parse,
     resolve_speculation,
     stop_list,
+    top_k_of,
 )
 from .worker import EngineWorker, PerRequestPolicy, RequestHandle, ServerRequest
 
@@ -45,20 +51,29 @@ log = logging.getLogger("verispec.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+# after the drain: what uvicorn then gives connections to finish writing (failed requests
+# answer at once; this bounds a client that does not read its stream)
+SHUTDOWN_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     model_name: str  # the id clients send as "model"
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    api_key: str | None = None  # when set, /v1/* and /metrics need "Authorization: Bearer <key>"
+    metrics_public: bool = False  # True: /metrics answers without the API key
     max_queue: int = 64  # requests waiting for a row beyond the running batch; more -> 429
     max_body_bytes: int = 4 * 2 ** 20
     drafter: str | None = None  # label shown in /v1/models, /metrics and responses
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's and tokenizer's EOS ids
+    drain_timeout_s: float = 30.0  # SIGTERM: how long requests in flight may take to finish
 
     def __post_init__(self):
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
+            raise ValueError(f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (None: no key)")
 
 
 class ServerState:
@@ -94,6 +109,11 @@ class ServerState:
         self.worker = EngineWorker(engine, self.metrics, config.max_queue)
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="verispec-tokenize")
         self.created = int(time.time())
+        # shutdown (event loop only): draining refuses new requests; drain_expired also
+        # refuses those that were still being tokenized when the drain timeout ran out
+        self.draining = False
+        self.drain_expired = False
+        self.in_flight = 0  # generation requests from acceptance to their response's end
 
     def start(self) -> None:
         self.worker.start()
@@ -115,6 +135,33 @@ class ServerState:
             raise OpenAIError(401, "incorrect API key provided", code="invalid_api_key",
                               headers={"WWW-Authenticate": "Bearer"})
 
+    def check_open(self) -> None:
+        """503 while the server drains (SIGTERM): it takes no new generation requests."""
+        if self.draining:
+            raise OpenAIError(503, "server shutting down: not accepting new requests", type="server_error",
+                              code="server_shutting_down", headers={"Connection": "close", "Retry-After": "1"})
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests (503); give those in flight up to timeout_s seconds to finish,
+        then fail the rest with 503 "server shutting down" and wait (bounded) for their
+        answers to go out."""
+        loop = asyncio.get_running_loop()
+        self.draining = True
+        log.warning("draining: %d request(s) in flight, up to %g s; new requests get 503",
+                    self.in_flight, timeout_s)
+        deadline = loop.time() + timeout_s
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            log.warning("drain timeout (%g s): failing %d request(s) still in flight", timeout_s, self.in_flight)
+            self.drain_expired = True
+            self.worker.fail_all((503, f"server shutting down: the request did not finish within the "
+                                       f"{timeout_s:g} s drain timeout", "server_shutting_down"))
+            deadline = loop.time() + SHUTDOWN_GRACE_S
+            while self.in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        log.warning("drained (%d request(s) still answering)", self.in_flight)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:
             raise OpenAIError(404, f"the model '{model}' does not exist; this server serves "
@@ -124,14 +171,21 @@ class ServerState:
     async def _in_pool(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
-    def _check_text(self, text: str, param: str) -> None:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise OpenAIError(400, f"'{param}' is not valid Unicode (it holds a lone surrogate)",
-                              param=param, code="invalid_value") from None
-        if len(text) > 2 * self.max_len * self.max_token_chars:  # sure to exceed: skip tokenizing
-            raise self.context_error(len(text) // self.max_token_chars, None, param)
+    def _check_text(self, text: str, param: str, n_chars: int | None = None) -> None:
+        """Checks on the event loop before tokenizing (in the pool): valid Unicode, and a
+        length that can fit the context. No token decodes to more than max_token_chars
+        characters, so a text of n characters holds at least n / max_token_chars tokens;
+        twice the context's worth is sure to exceed it (a normalizer may drop some
+        characters), so it is refused without tokenizing (the body limit bounds the rest)."""
+        if text and not text.isascii():  # ASCII holds no surrogate: skip the copy
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise OpenAIError(400, f"'{param}' is not valid Unicode (it holds a lone surrogate)",
+                                  param=param, code="invalid_value") from None
+        n = len(text) if n_chars is None else n_chars
+        if n > 2 * self.max_len * self.max_token_chars:  # sure to exceed: skip tokenizing
+            raise self.context_error(n // self.max_token_chars, None, param)
 
     async def prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, list):
@@ -166,6 +220,7 @@ class ServerState:
             content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
             self._check_text(content, f"messages[{i}].content")
             messages.append({"role": m.role, "content": content})
+        self._check_text("", "messages", n_chars=sum(len(m["content"]) for m in messages))
 
         def apply():
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -235,18 +290,19 @@ async def _until_disconnect(request: Request) -> None:
 
 
 class _SSE(StreamingResponse):
-    """Server-sent events whose `on_close` runs however the stream ends (done, error,
-    client gone), so a disconnect always frees the row."""
+    """Server-sent events whose `on_close` callbacks run however the stream ends (done,
+    error, client gone), so a disconnect always frees the row."""
 
     def __init__(self, content, on_close: Callable[[], None], headers: dict):
         super().__init__(content, media_type="text/event-stream", headers=headers)
-        self._on_close = on_close
+        self.on_close = [on_close]
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()
+            for fn in self.on_close:
+                fn()
 
 
 class _CountResponses:
@@ -318,13 +374,18 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if state.draining:
+            return JSONResponse({"status": "draining", "reason": "the server is shutting down"},
+                                status_code=503)
         if not state.worker.alive:
             return JSONResponse({"status": "error", "reason": "the engine thread is not running"},
                                 status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if not state.config.metrics_public:
+            state.authorize(request)
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -336,9 +397,35 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
             "verispec": {"drafter": state.metrics.info["drafter"], "k": state.k, "policy": state.policy,
                          "rule": state.rule, "lossy": state.lossy}}]}
 
+    async def _tracked(request: Request, handler):
+        """Generation requests: refused while draining, else counted in flight until
+        their answer is complete (a stream: until it closes)."""
+        state.authorize(request)
+        state.check_open()
+        state.in_flight += 1
+        try:
+            response = await handler(request)
+        except BaseException:
+            state.in_flight -= 1
+            raise
+        if isinstance(response, _SSE):
+            response.on_close.append(_request_done)
+        else:
+            state.in_flight -= 1
+        return response
+
+    def _request_done() -> None:
+        state.in_flight -= 1
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        state.authorize(request)
+        return await _tracked(request, _completions)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _tracked(request, _chat_completions)
+
+    async def _completions(request: Request):
         req = parse(CompletionRequest, await read_json(request, state.config.max_body_bytes))
         check_completion(req)
         state.check_model(req.model)
@@ -346,9 +433,7 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         return await _generate(request, req, ids, max_tokens, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        state.authorize(request)
+    async def _chat_completions(request: Request):
         req = parse(ChatRequest, await read_json(request, state.config.max_body_bytes))
         check_chat(req)
         state.check_model(req.model)
@@ -363,14 +448,29 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
         if len(ids) + max_tokens > state.max_len:
             raise state.context_error(len(ids), max_tokens, "max_tokens" if len(ids) < state.max_len else param)
         temperature = 1.0 if req.temperature is None else req.temperature
-        spec = resolve_speculation(state.rule, state.engine.drafter is not None, temperature, req.verispec)
-        sampling = SamplingParams(temperature=temperature, top_k=max(0, req.top_k or 0),
-                                  top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
-        params = GenerationParams(max_new_tokens=max_tokens, sampling=sampling,
-                                  stop_token_ids=() if req.ignore_eos else state.stop_token_ids,
-                                  ignore_eos=bool(req.ignore_eos))
+        spec = resolve_speculation(state.rule, state.engine.drafter is not None, temperature, req.verispec,
+                                   seed=req.seed)
+        seed = req.seed
+        if seed is None and temperature > 0 and state.rule == "coupled":
+            # a coupled engine keys every sampled row on a seed: give it one from OS entropy
+            # here, so that the rule resolved above (coupled, or rejection if asked) is the
+            # one the engine runs
+            seed = secrets.randbits(63)
+        try:
+            sampling = SamplingParams(temperature=temperature, top_k=top_k_of(req, state.vocab_size),
+                                      top_p=1.0 if req.top_p is None else req.top_p,
+                                      min_p=0.0 if req.min_p is None else req.min_p,
+                                      seed=seed, coupled=spec.keyed)
+            params = GenerationParams(max_new_tokens=max_tokens, sampling=sampling,
+                                      stop_token_ids=() if req.ignore_eos else state.stop_token_ids,
+                                      ignore_eos=bool(req.ignore_eos))
+        except ValueError as e:  # whatever the engine's own checks refuse is the client's error
+            raise OpenAIError(400, f"invalid sampling parameters: {e}", code="invalid_value") from None
         handle = RequestHandle(ServerRequest(ids, params, speculate=spec.speculate), state.tokenizer,
-                               stop_list(req.stop), asyncio.get_running_loop())
+                               stop_list(req.stop), asyncio.get_running_loop(), rule=spec.rule)
+        if state.drain_expired:
+            raise OpenAIError(503, "server shutting down: not accepting new requests", type="server_error",
+                              code="server_shutting_down", headers={"Connection": "close"})
         if not state.worker.alive:
             raise OpenAIError(503, "the engine thread is not running", type="server_error", code="engine_down")
         if not state.worker.try_submit(handle):
@@ -396,8 +496,9 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
         finally:
             handle.cancel()  # a no-op when the engine already let go of the request
         if handle.finish_reason == "error":
-            status, message = handle.error
-            raise OpenAIError(status, message, type="server_error" if status >= 500 else "invalid_request_error")
+            status, message, code = handle.error
+            raise OpenAIError(status, message, type="server_error" if status >= 500 else "invalid_request_error",
+                              code=code)
         usage = {"prompt_tokens": len(ids), "completion_tokens": handle.completion_tokens,
                  "total_tokens": len(ids) + handle.completion_tokens}
         if chat:
@@ -434,8 +535,9 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
                 yield chunk(value, None)
                 continue
             if value == "error":
-                status, message = handle.error
-                yield _sse(OpenAIError(status, message, type="server_error").body())
+                status, message, code = handle.error
+                yield _sse(OpenAIError(status, message, type="server_error" if status >= 500 else
+                                       "invalid_request_error", code=code).body())
             elif value != "cancelled":
                 yield chunk(None, value, verispec=_verispec_info(spec, handle))
                 if include_usage:
@@ -446,3 +548,44 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
             return
 
     return app
+
+
+# -- running it ----------------------------------------------------------------------
+
+def make_server(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
+    """A uvicorn server for `state` whose SIGTERM drains (see ServerState.drain) and then
+    exits normally; a second signal stops at once, as uvicorn does. Run it with
+    `.run(sockets=...)`; `.started` and `.should_exit` are uvicorn's."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def __init__(self, config):
+            super().__init__(config)
+            self._loop: asyncio.AbstractEventLoop | None = None
+            self._draining = False
+
+        async def serve(self, sockets=None):
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets=sockets)
+
+        def handle_exit(self, sig, frame):
+            # the first SIGTERM/SIGINT once serving: drain, then exit as if asked to (not
+            # re-raised at the end, so the exit status is 0). Before start-up, or a second
+            # signal: uvicorn's own handling (stop now).
+            if self._draining or not self.started or self.should_exit or self._loop is None:
+                if self._draining:
+                    self.force_exit = True
+                return super().handle_exit(sig, frame)
+            self._draining = True
+            log.warning("received %s: draining", signal.Signals(sig).name)
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+        async def _drain(self):
+            try:
+                await state.drain(state.config.drain_timeout_s)
+            finally:
+                self.should_exit = True
+
+    config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    return DrainingServer(config)

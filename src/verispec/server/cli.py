@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
+import os
 import sys
+from pathlib import Path
 
+from ..cli import UsageError, _nonneg_int, _positive_int  # noqa: E402  (shared argument types)
 
-from ..cli import _nonneg_int, _positive_int  # noqa: E402  (shared argument types)
+ENV_API_KEY = "VERISPEC_API_KEY"
 
 
 def _port(s: str) -> int:
@@ -17,6 +21,44 @@ def _port(s: str) -> int:
     return v
 
 
+def _seconds(s: str) -> float:
+    v = float(s)
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {s}")
+    return v
+
+
+def _check_key(key: str, source: str) -> str:
+    if not key:
+        raise UsageError(f"the API key from {source} is empty")
+    if any(c.isspace() or not c.isprintable() for c in key) or not key.isascii():
+        raise UsageError(f"the API key from {source} must be printable ASCII without spaces "
+                         f"(it is sent as 'Authorization: Bearer <key>')")
+    return key
+
+
+def resolve_api_key(args, environ=os.environ) -> tuple[str | None, str | None]:
+    """The API key and where it came from: --api-key-file or --api-key (the two together
+    are an error), else $VERISPEC_API_KEY; none of them: no key. The file's first line
+    is the key (surrounding whitespace stripped); an empty key from any source is an
+    error, never "no key"."""
+    if args.api_key_file is not None and args.api_key is not None:
+        raise UsageError("give either --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        path = Path(args.api_key_file)
+        try:
+            with path.open(encoding="utf-8") as f:
+                first = f.readline()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read --api-key-file {path}: {e}") from None
+        return _check_key(first.strip(), f"--api-key-file {path} (its first line)"), "--api-key-file"
+    if args.api_key is not None:
+        return _check_key(args.api_key, "--api-key"), "--api-key"
+    if ENV_API_KEY in environ:
+        return _check_key(environ[ENV_API_KEY].strip(), f"${ENV_API_KEY}"), f"${ENV_API_KEY}"
+    return None, None
+
+
 def add_serve_parser(sub) -> None:
     from ..verify import RULES
 
@@ -24,7 +66,11 @@ def add_serve_parser(sub) -> None:
                        description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, "
                                    "/v1/models, /health, /metrics. Per request, the body field "
                                    '"verispec": {"speculate": false} turns speculation off (a reference run '
-                                   'on the same server) and {"rule": ...} picks the verification rule.')
+                                   'on the same server) and {"rule": ...} picks the verification rule, '
+                                   'honoured or refused (400), never substituted. A seeded sampled request is '
+                                   'sampled with noise keyed on (seed, position) and verified by rule '
+                                   '"coupled": the same tokens with or without speculation. SIGTERM drains: '
+                                   'new requests get 503, requests in flight get --drain-timeout seconds.')
     s.add_argument("--target", required=True, help="preset name, HF directory, GGUF file or hub id")
     s.add_argument("--draft", default=None,
                    help="none | lookup[:N] | layerskip:N | a draft model (preset, path, hub id)")
@@ -38,7 +84,17 @@ def add_serve_parser(sub) -> None:
                    help="verification rule for sampled requests; typical-lossy is LOSSY")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=_port, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics. A command line is "
+                        "visible to every user of the machine (ps, /proc): prefer --api-key-file or "
+                        f"${ENV_API_KEY}. --api-key or --api-key-file (not both) override ${ENV_API_KEY}")
+    s.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from the first line of PATH (whitespace stripped)")
+    s.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key (default: /metrics needs it when a key is set)")
+    s.add_argument("--drain-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM: new requests get 503, requests in flight get this long to finish, "
+                        "then fail with 503 'server shutting down' (default 30)")
     s.add_argument("--max-batch", type=_positive_int, default=8, help="rows decoded together")
     s.add_argument("--max-len", type=_positive_int, default=2048,
                    help="context per row: prompt + max_tokens (capped at the model's)")
@@ -50,8 +106,9 @@ def add_serve_parser(sub) -> None:
     s.set_defaults(func=cmd_serve)
 
 
-def build_state(args):
-    """Load the model, build the engine and the server state from parsed arguments."""
+def build_state(args, api_key: str | None = None):
+    """Load the model, build the engine and the server state from parsed arguments
+    (api_key: from resolve_api_key)."""
     from ..drafters import make_drafter
     from ..engine import Engine, EngineConfig
     from ..models import load_model
@@ -68,8 +125,10 @@ def build_state(args):
     policy = PerRequestPolicy(make_policy(args.policy, target, drafter, args.max_batch, args.k))
     engine = Engine(target, drafter, policy, EngineConfig(max_batch=args.max_batch, max_len=max_len,
                                                           rule=args.verify))
-    config = ServerConfig(model_name=args.served_model_name or args.target, api_key=args.api_key,
-                          max_queue=args.max_queue, drafter=args.draft if drafter is not None else None)
+    config = ServerConfig(model_name=args.served_model_name or args.target, api_key=api_key,
+                          metrics_public=args.metrics_public, max_queue=args.max_queue,
+                          drafter=args.draft if drafter is not None else None,
+                          drain_timeout_s=args.drain_timeout)
     return ServerState(engine, tok, config)
 
 
@@ -84,21 +143,27 @@ def _is_loopback(host: str) -> bool:
 
 def cmd_serve(args) -> int:
     import torch
-    import uvicorn
 
-    from .app import create_app
+    from .app import make_server
 
+    api_key, key_source = resolve_api_key(args)
     if args.verify == "typical-lossy" and args.draft:
         print("WARNING: --verify typical-lossy is LOSSY: sampled output is NOT distributed as the target's; "
               "responses carry \"lossy\": true", file=sys.stderr)
-    if not _is_loopback(args.host) and args.api_key is None:
-        print(f"WARNING: binding to {args.host} (not loopback) without --api-key: anyone who can reach "
-              "this address can use the server", file=sys.stderr)
+    if not _is_loopback(args.host) and api_key is None:
+        print(f"WARNING: binding to {args.host} (not loopback) without an API key (--api-key-file, "
+              f"${ENV_API_KEY}): anyone who can reach this address can use the server", file=sys.stderr)
+    if key_source == "--api-key":
+        print("note: --api-key is visible to other users in the process list; --api-key-file or "
+              f"${ENV_API_KEY} keep it out of argv", file=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
-    state = build_state(args)
-    app = create_app(state)
+    state = build_state(args, api_key)
+    server = make_server(state, host=args.host, port=args.port, log_level=args.log_level)
+    auth = (f"API key from {key_source}" + (", /metrics public" if args.metrics_public else "")
+            if key_source else "no API key")
     print(f"verispec serve: {state.config.model_name} (draft {args.draft or 'none'}, k={state.k}, "
-          f"policy {state.policy}, rule {args.verify}) on http://{args.host}:{args.port}", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+          f"policy {state.policy}, rule {args.verify}; {auth}) on http://{args.host}:{args.port}",
+          file=sys.stderr)
+    server.run()
     return 0

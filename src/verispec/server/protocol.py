@@ -13,9 +13,12 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..sampling import MIN_TEMPERATURE
 from ..verify import LOSSY_RULES, RULES
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string: bounds the tail the stop matcher holds back
+MAX_TEMPERATURE = 2.0  # OpenAI's range
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
 
 
@@ -59,9 +62,10 @@ Number = Optional[float]
 class _Common(_Strict):
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Number = Field(default=None, ge=0.0, le=2.0)
+    temperature: Number = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)  # 0, or >= MIN_TEMPERATURE
     top_p: Number = Field(default=None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(default=None, ge=-1)  # vLLM extension; -1 or 0 = off
+    top_k: Optional[int] = Field(default=None, ge=-1)  # vLLM extension; -1 or 0 = off; >= vocab = off
+    min_p: Number = Field(default=None, ge=0.0, le=1.0)  # vLLM / llama.cpp extension; 0 = off
     n: Optional[int] = Field(default=None, ge=1)
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -72,6 +76,11 @@ class _Common(_Strict):
     logit_bias: Optional[dict] = None
     user: Optional[str] = None
     ignore_eos: Optional[bool] = False  # vLLM extension: generate exactly max_tokens
+    # vLLM / llama.cpp sampler extensions that verispec does not implement: refused unless
+    # neutral, so that a client never gets a distribution other than the one it asked for
+    repetition_penalty: Number = None
+    typical_p: Number = None
+    min_tokens: Optional[int] = None
     verispec: Optional[VerispecOptions] = None
 
 
@@ -124,10 +133,22 @@ def parse(model: type[BaseModel], body: dict) -> BaseModel:
 
 def check_common(req: _Common) -> None:
     """Parameters that type-check but that verispec cannot honour."""
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "typical_p"):
         v = getattr(req, name)
-        if v is not None and not math.isfinite(v):
+        if v is not None and not math.isfinite(v):  # a JSON number like 1e999 parses as inf
             raise OpenAIError(400, f"'{name}' must be a finite number", param=name, code="invalid_value")
+    t = req.temperature
+    if t is not None and 0.0 < t < MIN_TEMPERATURE:
+        raise OpenAIError(400, f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE} "
+                               f"(got {t!r}); send 0 for greedy decoding", param="temperature",
+                          code="invalid_value")
+    if req.repetition_penalty not in (None, 1.0):
+        raise unsupported("repetition_penalty", "repetition_penalty other than 1")
+    if req.typical_p not in (None, 1.0):
+        raise unsupported("typical_p", "typical_p other than 1 (locally typical sampling)")
+    if req.min_tokens not in (None, 0):
+        raise unsupported("min_tokens", "min_tokens other than 0")
     if req.n not in (None, 1):
         raise OpenAIError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
     if req.presence_penalty or req.frequency_penalty:
@@ -140,6 +161,17 @@ def check_common(req: _Common) -> None:
                           code="invalid_value")
     if any(s == "" for s in stops):
         raise OpenAIError(400, "stop strings must not be empty", param="stop", code="invalid_value")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise OpenAIError(400, f"stop strings may be at most {MAX_STOP_CHARS} characters long (one has "
+                               f"{longest})", param="stop", code="invalid_value")
+
+
+def top_k_of(req: _Common, vocab_size: int) -> int:
+    """The engine's top_k (0 = off): -1 and 0 are off, and so is any k >= the vocabulary
+    (it keeps every token), so an arbitrarily large integer never reaches a tensor op."""
+    k = req.top_k or 0
+    return 0 if k < 0 or k >= vocab_size else k
 
 
 def stop_list(stop) -> list[str]:
@@ -174,29 +206,48 @@ def check_chat(req: ChatRequest) -> None:
 
 @dataclass(frozen=True)
 class Speculation:
-    """What a request is served with: whether its row drafts, and the rule that verifies it."""
+    """What a request is served with: whether its row drafts, the rule that verifies it,
+    and where its randomness comes from."""
 
     speculate: bool  # False: k = 0 for this row (plain decoding)
     rule: str  # the rule that verifies this row ("greedy" for temperature-0 rows)
     lossy: bool  # True only for typical-lossy with drafts on a sampled row
+    keyed: bool = False  # noise keyed on (seed, position) (SamplingParams(coupled=True)), else a generator
+
+
+def same_rule(resolved: str, engine_rule: str, speculate: bool) -> bool:
+    """Whether the engine's rule for a row is the one the server resolved. A row that
+    drafts nothing samples the target exactly with its generator under rejection and
+    typical-lossy alike (neither has a draft token to judge), so those two agree there."""
+    if resolved == engine_rule:
+        return True
+    return not speculate and {resolved, engine_rule} <= {"rejection", "typical-lossy"}
 
 
 def resolve_speculation(server_rule: str, has_drafter: bool, temperature: float,
-                        opts: VerispecOptions | None) -> Speculation:
-    """The per-request override. Honoured exactly or refused, never approximated:
+                        opts: VerispecOptions | None, seed: int | None = None) -> Speculation:
+    """The per-request override. Honoured exactly or refused, never substituted:
 
     * speculate=false: the row drafts nothing; output is plain decoding.
     * temperature 0: the engine verifies greedy rows by argmax whatever the server rule,
       and every rule reduces to that, so any known rule is accepted; never lossy.
-    * temperature > 0 needs a sampling rule. The server's own rule is used as is
-      (typical-lossy is flagged lossy). Asking for an exact rule ("rejection") on a
-      server that runs typical-lossy is served with k = 0: with no drafts every sampling
-      rule samples the target exactly. A lossy rule the server was not started with,
-      or "greedy" with temperature > 0, is refused (400).
+    * temperature > 0, no rule asked: a seeded request on a rejection or coupled server
+      is sampled with noise keyed on (seed, position), verified by "coupled" (the same
+      tokens with or without speculation); an unseeded one gets the server's rule
+      (a coupled server keys it on a seed from OS entropy). A typical-lossy server
+      applies its own rule to every sampled request, seeded or not (flagged lossy).
+    * rule "coupled": keyed noise, so it needs a seed (400 without one), and a server
+      whose rule is not typical-lossy (that one verifies every sampled row its own way).
+    * rule "rejection": rejection sampling with a generator (seeded from the seed when
+      there is one); on a typical-lossy server the row drafts nothing (k = 0), which
+      samples the target exactly.
+    * a lossy rule the server was not started with, "greedy" with temperature > 0, or
+      any sampled request on a greedy server: refused (400).
     """
     opts = opts or VerispecOptions()
     speculate = has_drafter and opts.speculate is not False
-    rule = opts.rule if opts.rule is not None else server_rule
+    asked = opts.rule
+    rule = asked if asked is not None else server_rule
     if rule not in RULES:
         raise OpenAIError(400, f"unknown verification rule {rule!r}; valid: {', '.join(RULES)}",
                           param="verispec.rule", code="invalid_value")
@@ -213,6 +264,21 @@ def resolve_speculation(server_rule: str, has_drafter: bool, temperature: float,
         raise OpenAIError(400, f"lossy rule {rule!r} is not enabled on this server (it runs "
                                f"{server_rule!r}); start it with --verify {rule} to use it",
                           param="verispec.rule", code="invalid_value")
-    if rule != server_rule:  # an exact rule on a lossy server: no drafts, so exact sampling
+    if asked == "coupled":
+        if seed is None:
+            raise OpenAIError(400, "rule 'coupled' needs a seed: it samples with noise keyed on (seed, "
+                                   "position); send \"seed\" or use rule 'rejection'",
+                              param="verispec.rule", code="invalid_value")
+        if server_rule in LOSSY_RULES:
+            raise OpenAIError(400, f"rule 'coupled' is not available on this server: it runs the lossy "
+                                   f"rule {server_rule!r} for every sampled request; use rule 'rejection' "
+                                   f"(exact, no drafts here)", param="verispec.rule", code="invalid_value")
+    if asked is None and server_rule != "typical-lossy" and (seed is not None or server_rule == "coupled"):
+        rule = "coupled"
+    if rule == "coupled":
+        return Speculation(speculate, "coupled", False, keyed=True)
+    if rule in LOSSY_RULES:  # the server's own rule
+        return Speculation(speculate, rule, speculate)
+    if server_rule in LOSSY_RULES:  # an exact rule on a lossy server: no drafts, so exact sampling
         return Speculation(False, rule, False)
-    return Speculation(speculate, rule, speculate and rule in LOSSY_RULES)
+    return Speculation(speculate, rule, False)

@@ -10,6 +10,10 @@
 Commands go through a thread-safe FIFO and are applied between steps, so requests
 join and leave the running batch between steps. Only the engine thread touches the
 Engine. Text (detokenization, stop strings) is made on the event loop by the handle.
+
+A row the engine ends with finish_reason "error" (its step failed: non-finite logits,
+an exception while drafting or verifying that row) reaches its handle as a 500 with
+the engine's message; the other rows go on.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from ..engine import Request
 from ..policy import PolicyWrapper
 from .metrics import Metrics
+from .protocol import same_rule
 from .text import IncrementalDecoder, StopStrings
 
 log = logging.getLogger("verispec.server")
@@ -64,17 +69,22 @@ class RequestHandle:
 
     Events on `events`: ("text", str) as text becomes final, then exactly one
     ("end", finish_reason) where finish_reason is "stop", "length", "cancelled" or
-    "error" (then `error` holds (http status, message)).
+    "error" (then `error` holds (http status, message, error code)).
+
+    `rule` is the verification rule the server resolved for the request; the worker
+    refuses the request if the engine would verify it with another one.
     """
 
-    def __init__(self, req: ServerRequest, tokenizer, stops: list[str], loop: asyncio.AbstractEventLoop):
+    def __init__(self, req: ServerRequest, tokenizer, stops: list[str], loop: asyncio.AbstractEventLoop,
+                 rule: str | None = None):
         self.req = req
         self.loop = loop
+        self.rule = rule
         self.decoder = IncrementalDecoder(tokenizer)
         self.stops = StopStrings(stops)
         self.events: asyncio.Queue = asyncio.Queue()
         self.finish_reason: str | None = None
-        self.error: tuple[int, str] | None = None
+        self.error: tuple[int, str, str] | None = None
         self.completion_tokens = 0
         self.stats = StepStats()
         self.worker: EngineWorker | None = None
@@ -107,7 +117,7 @@ class RequestHandle:
 
     # called on the event loop by the engine thread, via call_soon_threadsafe
     def _on_step(self, ids: list[int], engine_reason: str | None, stats: StepStats,
-                 error: tuple[int, str] | None) -> None:
+                 error: tuple[int, str, str] | None) -> None:
         if engine_reason is not None or error is not None:
             self._engine_done = True
         if self.finish_reason is not None:
@@ -178,6 +188,11 @@ class EngineWorker:
         """Take a request out of the engine; reason is what /metrics counts ("stop": a stop string)."""
         self._cmds.put(("cancel", handle, reason))
 
+    def fail_all(self, error: tuple[int, str, str]) -> None:
+        """Fail every request the engine holds or will be handed before this (a drain that
+        ran out of time); the thread keeps running."""
+        self._cmds.put(("fail", error))
+
     # -- the engine thread ---------------------------------------------------------
     def _run(self) -> None:
         while True:
@@ -186,7 +201,8 @@ class EngineWorker:
                     return
             except Exception:  # noqa: BLE001 - the thread must outlive any one failure
                 log.exception("engine worker error; failing the requests it holds")
-                self._abort((500, "internal error in the engine worker; the request was cancelled"))
+                self._abort((500, "internal error in the engine worker; the request was cancelled",
+                             "engine_error"))
 
     def _iterate(self) -> bool:
         """Apply pending commands, then run one step. True when told to stop."""
@@ -197,9 +213,12 @@ class EngineWorker:
             cmd = None
         while cmd is not None:
             if cmd[0] == "stop":
-                self._abort((503, "the server is shutting down"))
+                self._abort((503, "server shutting down: the request was cancelled", "server_shutting_down"))
                 return True
-            self._apply(*cmd)
+            if cmd[0] == "fail":
+                self._abort(cmd[1])
+            else:
+                self._apply(*cmd)
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
@@ -215,10 +234,21 @@ class EngineWorker:
             try:
                 self.engine.add(req)
             except ValueError as e:  # ContextLengthError and friends; checked before, kept as a guard
-                self._deliver([(handle, [], None, StepStats(), (400, str(e)))])
+                self._deliver([(handle, [], None, StepStats(), (400, str(e), "invalid_value"))])
                 self._release()
                 return
             self._active[id(req)] = _Entry(handle)
+            actual = self.engine.rule_for(req)
+            if handle.rule is not None and not same_rule(handle.rule, actual, req.speculate):
+                # never serve a request with a rule other than the one it is told it gets
+                log.error("request %s: the server resolved rule %r but the engine would verify it "
+                          "with %r; refused", req.request_id, handle.rule, actual)
+                self.engine.cancel(req)
+                self._leave(self._active[id(req)], "error")
+                self._deliver([(handle, [], None, StepStats(), (
+                    500, f"internal error: this request resolved to verification rule {handle.rule!r} "
+                         f"but the engine would verify it with {actual!r}; refused rather than served "
+                         f"with another rule", "rule_mismatch"))])
         elif op == "cancel":
             entry = self._active.get(id(req))
             if entry is not None:
@@ -234,7 +264,7 @@ class EngineWorker:
         except Exception:  # a bug or a broken model: fail this batch, keep serving the queue
             log.exception("engine step failed; cancelling the requests in the batch")
             waiting = {id(r) for r in eng.waiting}
-            self._abort((500, "internal error in the engine step; the request was cancelled"),
+            self._abort((500, "internal error in the engine step; the request was cancelled", "engine_error"),
                         keep=lambda r: id(r) in waiting)
             return
         self.metrics.step(time.perf_counter() - t0, rows)
@@ -250,8 +280,13 @@ class EngineWorker:
             self.metrics.tokens(n - entry.sent, stats.target_passes - seen.target_passes,
                                 sum(1 for k in s.k_chosen[seen.target_passes:] if k > 0),
                                 stats.drafted - seen.drafted, stats.accepted - seen.accepted)
+            error = None
+            if r.finished and r.finish_reason == "error":  # this row's step failed; the others go on
+                why = r.error or "the engine step failed for this request"
+                log.warning("request %s failed: %s", r.request_id, why)
+                error = (500, why, "generation_failed")
             out.append((entry.handle, r.output_ids[entry.sent:n], r.finish_reason if r.finished else None,
-                        stats, None))
+                        stats, error))
             entry.sent, entry.seen = n, stats
             if r.finished:
                 self._leave(entry, r.finish_reason)
@@ -269,7 +304,7 @@ class EngineWorker:
         with self._lock:
             self._outstanding -= 1
 
-    def _abort(self, error: tuple[int, str], keep=lambda r: False) -> None:
+    def _abort(self, error: tuple[int, str, str], keep=lambda r: False) -> None:
         """Fail and evict every active request but those `keep` spares (still waiting)."""
         out = []
         for entry in list(self._active.values()):
