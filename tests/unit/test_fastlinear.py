@@ -251,3 +251,103 @@ def test_no_build_at_import(tmp_path):
     env = dict(os.environ, VERISPEC_CACHE=str(tmp_path), PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+# -- the cached library is verified by its recorded SHA-256 before it is loaded ----------
+
+_EVIL_C = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen("%s", "w");
+    if (f) { fputs("loaded", f); fclose(f); }
+}
+int fl_abi_version(void) { return -1; }
+"""
+
+
+def _plant(tmp_path, so: Path) -> Path:
+    """Replace `so` with a different, loadable library whose constructor writes a marker
+    file when anything dlopens it; returns the marker's path."""
+    marker = tmp_path / "planted-library-was-loaded"
+    src = tmp_path / "evil.c"
+    src.write_text(_EVIL_C % marker)
+    evil = tmp_path / "evil.so"
+    subprocess.run([fl._find_compiler(), "-shared", "-fPIC", "-o", str(evil), str(src)], check=True,
+                   capture_output=True, timeout=120)
+    # the marker does show a load: dlopen it once in another process
+    subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(evil)!r})"], check=True, timeout=60)
+    assert marker.read_text() == "loaded"
+    marker.unlink()
+    os.replace(evil, so)
+    return marker
+
+
+def _fresh(monkeypatch, tmp_path):
+    monkeypatch.setenv(fl.ENV_CACHE, str(tmp_path / "cache"))
+    monkeypatch.delenv(fl.ENV_BACKEND, raising=False)
+    monkeypatch.setattr(fl, "_STATE", fl._NativeState())
+    return fl.native_info()
+
+
+def _verify_on_disk(info):
+    so = Path(info["so_path"])
+    digest = Path(str(so) + ".sha256").read_text().strip()
+    import hashlib
+    assert hashlib.sha256(so.read_bytes()).hexdigest() == digest == info["sha256"]
+
+
+@needs_native
+@pytest.mark.parametrize("how", ["replaced", "digest-missing", "digest-replaced-too", "group-writable"])
+def test_tampered_library_is_never_loaded(monkeypatch, tmp_path, caplog, how):
+    info = _fresh(monkeypatch, tmp_path)
+    assert info["available"] and info["compile_seconds"] is not None, info["error"]
+    _verify_on_disk(info)
+    so = Path(info["so_path"])
+    digest_file = Path(str(so) + ".sha256")
+    if how == "group-writable":  # the right bytes, but anyone in the group could change them
+        marker = tmp_path / "not-planted"
+        so.chmod(0o775)
+    else:
+        marker = _plant(tmp_path, so)
+        if how == "digest-missing":
+            digest_file.unlink()
+        elif how == "digest-replaced-too":  # a digest for the planted library, written by someone else
+            import hashlib
+            digest_file.write_text(hashlib.sha256(so.read_bytes()).hexdigest() + "\n")
+            digest_file.chmod(0o666)
+    caplog.set_level("INFO", logger=fl.__name__)
+    info2 = _fresh(monkeypatch, tmp_path)
+    assert not marker.exists(), "the tampered library was loaded"
+    assert info2["available"] and info2["compile_seconds"] is not None  # rebuilt, then loaded
+    assert info2["so_path"] == info["so_path"]
+    _verify_on_disk(info2)
+    assert any("not loading the cached kernel" in r.getMessage() and "rebuilding" in r.getMessage()
+               for r in caplog.records)
+    info3 = _fresh(monkeypatch, tmp_path)  # the rebuilt one verifies: taken from the cache
+    assert info3["available"] and info3["compile_seconds"] is None
+
+
+@needs_native
+def test_tampered_library_without_a_compiler_falls_back(monkeypatch, tmp_path, caplog):
+    """Tampered and nothing to rebuild with: the torch fallback, with the reasons logged
+    and recorded; the planted library is never loaded."""
+    info = _fresh(monkeypatch, tmp_path)
+    so = Path(info["so_path"])
+    marker = _plant(tmp_path, so)
+    caplog.set_level("WARNING", logger=fl.__name__)
+    monkeypatch.setattr(fl, "_STATE", fl._NativeState())
+    # the same compiler (the cache key includes it), but every compile now fails
+    monkeypatch.setattr(fl.subprocess, "run", _failing_run(fl.subprocess.run))
+    lin = fl.PackedLinear(torch.randn(4, 4), None)
+    assert lin.backend.startswith("torch")
+    assert not marker.exists()
+    assert "compilation failed" in fl.native_info()["error"]
+    assert any("SHA-256" in r.getMessage() for r in caplog.records)
+
+
+def _failing_run(real_run):
+    def run(cmd, *a, **kw):
+        if "-o" in cmd:  # the compile step: fails; `cc --version` still answers
+            return subprocess.CompletedProcess(cmd, 1, "", "compiler unavailable")
+        return real_run(cmd, *a, **kw)
+    return run

@@ -23,7 +23,14 @@ Backends
     first time a :class:`PackedLinear` is built (never at import), loaded with
     ctypes and cached under ``$VERISPEC_CACHE/kernels`` (default
     ``~/.cache/verispec/kernels``), keyed by source hash, compiler, flags and
-    CPU.  A build takes ~2 s.  The weight is repacked once into 16-column
+    CPU.  A build takes ~2 s.  Each build records the library's SHA-256 in a
+    sidecar file (``<name>.so.sha256``, written atomically after the library);
+    a cached library is loaded only if it is a regular file owned by this user,
+    writable by nobody else, and its bytes hash to that digest (checked on the
+    open file, which is then what ``dlopen`` maps, through ``/proc/self/fd``).
+    Anything else (tampered, truncated, a missing or mismatching digest) is
+    never loaded: it is rebuilt, with a warning logged, or the torch fallback
+    is used.  The weight is repacked once into 16-column
     panels (``[ceil(out/16), in, 16]``, zero padded; the original is not kept,
     so memory stays ~1x the weight -- freeing the caller's copy is the caller's
     business).  Each 64-byte weight vector is read once and used for every row
@@ -75,10 +82,12 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import math
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading as _threading
@@ -89,6 +98,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["PackedLinear", "backend_name", "native_info"]
+
+log = logging.getLogger(__name__)
 
 ENV_BACKEND = "VERISPEC_LINEAR"
 ENV_CACHE = "VERISPEC_CACHE"
@@ -118,6 +129,7 @@ class _NativeState:
     isa: str = ""
     threading: str = ""
     so_path: str = ""
+    sha256: str = ""  # digest of the library that was loaded (verified before loading)
     compile_seconds: float | None = None  # None: loaded from cache
     error: str = ""
     lock: _threading.Lock = field(default_factory=_threading.Lock)
@@ -204,8 +216,96 @@ def _self_check(lib: ctypes.CDLL) -> None:
             raise RuntimeError("fastlinear self-check: result depends on batch size")
 
 
-def _build(cc: str, src: bytes, out_dir: Path) -> tuple[str, float | None]:
-    """Compile (or reuse) the shared library; returns (path, seconds or None if cached)."""
+_DIGEST_SUFFIX = ".sha256"
+
+
+def _digest_path(so: Path) -> Path:
+    return so.with_name(so.name + _DIGEST_SUFFIX)
+
+
+class _Untrusted(Exception):
+    """A cached kernel library that must not be loaded."""
+
+
+class _NoDigest(_Untrusted):
+    """No digest recorded (a library from before digests were recorded, or a partial
+    write): rebuilt without alarm, never loaded."""
+
+
+def _sha256_fd(fd: int) -> str:
+    h, offset = hashlib.sha256(), 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        h.update(chunk)
+        offset += len(chunk)
+    return h.hexdigest()
+
+
+def _check_owned(fd: int, what: Path) -> None:
+    """The open file must be a regular file of this user that nobody else can write."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise _Untrusted(f"{what} is not a regular file")
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        raise _Untrusted(f"{what} is owned by uid {st.st_uid}, not by this user")
+    if st.st_mode & 0o022:
+        raise _Untrusted(f"{what} is writable by group or others (mode {oct(st.st_mode & 0o777)})")
+
+
+def _open_verified(so: Path) -> tuple[int, str]:
+    """Open the library and check it against its recorded digest; returns (fd, sha256).
+    The digest is computed from the open file, and that same file is what gets loaded
+    (see _dlopen), so a swap after the check cannot slip in. Raises _Untrusted."""
+    digest_file = _digest_path(so)
+    try:
+        dfd = os.open(digest_file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise _NoDigest(f"no recorded digest for {so.name} ({e.strerror})") from None
+    try:
+        _check_owned(dfd, digest_file)
+        want = os.read(dfd, 256).decode("ascii", "replace").strip()
+    finally:
+        os.close(dfd)
+    try:
+        fd = os.open(so, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise _Untrusted(f"cannot open {so.name} ({e.strerror})") from None
+    try:
+        _check_owned(fd, so)
+        got = _sha256_fd(fd)
+        if got != want:
+            raise _Untrusted(f"{so.name} has SHA-256 {got[:16]}..., its recorded digest is "
+                             f"{want[:16] or '(empty)'}...")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, got
+
+
+def _dlopen(fd: int, so: Path) -> ctypes.CDLL:
+    """Load the library from the open (verified) file descriptor."""
+    via = f"/proc/self/fd/{fd}"
+    return ctypes.CDLL(via if os.path.exists(via) else str(so))
+
+
+def _write_digest(digest: str, digest_final: Path) -> None:
+    """Record the SHA-256 of the built library at digest_final, atomically."""
+    fd, tmp = tempfile.mkstemp(prefix=".fastlinear-", suffix=_DIGEST_SUFFIX, dir=digest_final.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(digest + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, digest_final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _build(cc: str, src: bytes, out_dir: Path) -> tuple[str, float | None, int, str]:
+    """Compile (or reuse a verified cached) shared library; returns (path, seconds or
+    None if cached, an open fd of the verified library, its SHA-256)."""
     cid = _compiler_id(cc)
     attempts = [_BASE_FLAGS + ["-fopenmp"], _BASE_FLAGS]  # OpenMP is optional
     errors = []
@@ -215,8 +315,13 @@ def _build(cc: str, src: bytes, out_dir: Path) -> tuple[str, float | None]:
                         _cpu_signature().encode(), str(_ABI_VERSION).encode()])
         ).hexdigest()[:24]
         so = out_dir / f"fastlinear-{key}.so"
-        if so.is_file():
-            return str(so), None
+        if so.exists() or _digest_path(so).exists():
+            try:
+                fd, digest = _open_verified(so)
+                return str(so), None, fd, digest
+            except _Untrusted as e:
+                (log.info if isinstance(e, _NoDigest) else log.warning)(
+                    "fastlinear: not loading the cached kernel %s: %s; rebuilding it", so, e)
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".fastlinear-", suffix=".so", dir=out_dir)
         os.close(fd)
@@ -228,8 +333,19 @@ def _build(cc: str, src: bytes, out_dir: Path) -> tuple[str, float | None]:
                                timeout=_COMPILE_TIMEOUT_S)
             dt = time.perf_counter() - t0
             if r.returncode == 0:
-                os.replace(tmp, so)  # atomic: concurrent builders are harmless
-                return str(so), dt
+                os.chmod(tmp, 0o755)  # whatever the umask: writable by this user only
+                # this process loads the file it just built, through an fd opened now;
+                # the cache gets the library first, then its digest (both atomic): a
+                # reader that sees a new library with an old digest rebuilds, never loads it
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    digest = _sha256_fd(fd)
+                    os.replace(tmp, so)
+                    _write_digest(digest, _digest_path(so))
+                except BaseException:
+                    os.close(fd)
+                    raise
+                return str(so), dt, fd, digest
             errors.append(f"{' '.join(flags)}: {r.stderr.strip()[-2000:]}")
         finally:
             for p in (tmp, csrc):
@@ -256,12 +372,15 @@ def _load_native() -> _NativeState:
                 raise RuntimeError("no C compiler found (set CC)")
             src = _SRC_PATH.read_bytes()
             try:
-                so, secs = _build(cc, src, _cache_dir())
+                so, secs, fd, digest = _build(cc, src, _cache_dir())
             except OSError:  # cache dir not writable: build in a private temp dir
-                so, secs = _build(cc, src, Path(tempfile.mkdtemp(prefix="verispec-kernels-")))
+                so, secs, fd, digest = _build(cc, src, Path(tempfile.mkdtemp(prefix="verispec-kernels-")))
             # torch is imported, so its libgomp.so.1 is already loaded and the
             # kernel's libgomp.so.1 dependency resolves to it (same soname).
-            lib = ctypes.CDLL(so)
+            try:
+                lib = _dlopen(fd, Path(so))
+            finally:
+                os.close(fd)
             _declare(lib)
             if lib.fl_abi_version() != _ABI_VERSION:
                 raise RuntimeError("stale kernel library (ABI mismatch)")
@@ -270,6 +389,7 @@ def _load_native() -> _NativeState:
             st.isa = lib.fl_isa().decode()
             st.threading = lib.fl_threading().decode()
             st.so_path = so
+            st.sha256 = digest
             st.compile_seconds = secs
         except Exception as e:  # noqa: BLE001 -- any failure means "use torch"
             st.lib = None
@@ -339,6 +459,7 @@ def native_info() -> dict:
         "isa": st.isa,
         "threading": st.threading,
         "so_path": st.so_path,
+        "sha256": st.sha256,
         "compile_seconds": st.compile_seconds,
         "error": st.error,
     }
