@@ -22,8 +22,9 @@ CAUGHT_BY = {
     "relaxed-acceptance": "distribution",
     "recovered-from-p": "distribution",
     "bonus-previous-position": "distribution",
+    "keyed-noise-misaligned": "seeded",  # same seed, same bytes: only the seeded check sees it
 }
-CHECKS = ["lossy-rule", "equivalence", "distribution", "drafter-consistency", "corruption", "slices",
+CHECKS = ["lossy-rule", "equivalence", "distribution", "seeded", "drafter-consistency", "corruption", "slices",
           "load", "record"]
 
 

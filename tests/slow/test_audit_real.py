@@ -24,9 +24,13 @@ def test_quick_audit_passes_on_defaults(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["verdict"] == "pass" and report["failed_checks"] == []
     names = [c["name"] for c in report["checks"]]
-    assert names == ["lossy-rule", "equivalence", "distribution", "drafter-consistency", "corruption",
-                     "slices", "load", "record"]
+    assert names == ["lossy-rule", "equivalence", "distribution", "seeded", "drafter-consistency",
+                     "corruption", "slices", "load", "record"]
     dist = next(c for c in report["checks"] if c["name"] == "distribution")
     assert dist["figures"]["n"] >= 2000
+    # no vacuous pass: the checks say how many drafts they verified, and enough were
+    assert dist["figures"]["verified_drafts"] >= dist["figures"]["min_verified_drafts"] > 0
+    seeded = next(c for c in report["checks"] if c["name"] == "seeded")
+    assert seeded["figures"]["drafts_verified"] > 0 and seeded["figures"]["divergences"] == 0
     assert report["record"]["target"]["sha256"]  # the audited weights are identified
     assert (out / "report.html").read_text().count("data:image/png;base64,") == 4

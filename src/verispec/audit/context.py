@@ -122,6 +122,9 @@ class GreedyRuns:
     reference: list[Request]  # plain decoding at batch 1, one per prompt
     speculative: dict[int, list[Request]]  # batch size -> one per prompt, prompt order
     seconds: float = 0.0
+    # drafting forced: a fixed k at the largest batch size, where the deployed policy (when
+    # adaptive) may draft little; None when the deployed policy is already a fixed k
+    forced: tuple[int, list[Request]] | None = None
 
 
 @dataclass

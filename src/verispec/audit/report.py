@@ -67,6 +67,12 @@ def headline(report: dict) -> list[tuple[str, str]]:
         f = d["figures"]
         out.append(("Distribution (PIT KS)", f"p = {f['p_value']:.3g}, D = {f['ks_statistic']:.4f}, "
                                              f"n = {f['n']} tokens at T={f['temperature']:g}"))
+    sd = _check(report, "seeded")
+    if sd and sd["figures"].get("applicable"):
+        f = sd["figures"]
+        out.append(("Same seed, same bytes", f"{f['prompts']} seeded prompts at T={f['temperature']:g}: "
+                                             f"{f['divergences']} divergences, {f['near_ties']} near-ties, "
+                                             f"{f['drafts_verified']} drafts verified"))
     s = _check(report, "slices")
     if s:
         f = s["figures"]
@@ -99,7 +105,7 @@ def plot_pngs(report: dict) -> dict[str, bytes]:
     fig, ax = plt.subplots(figsize=(6, 3.4))
     if eq:
         rows = eq["details"]["per_batch"]
-        xs = [str(r["batch"]) for r in rows]
+        xs = [f"{r['batch']}\n{r['policy']}" if "policy" in r else str(r["batch"]) for r in rows]
         ys = [r["exact_match_rate"] for r in rows]
         colors = ["#2e7d32" if r["passed"] else "#c62828" for r in rows]
         ax.bar(xs, ys, color=colors)
@@ -178,10 +184,12 @@ def _sections(report: dict) -> list[tuple[str, list[str], list[list]]]:
     out = []
     eq = _check(report, "equivalence")
     if eq:
-        out.append(("Equivalence per batch size", ["batch", "rows together", "prompts", "exact match",
-                                                   "identical", "near-tie", "divergence", "passed"],
-                    [[r["batch"], r["rows_decoded_together"], r["prompts"], _pct(r["exact_match_rate"]),
-                      r["identical"], r["near-tie"], r["divergence"], r["passed"]]
+        out.append(("Equivalence per batch size", ["batch", "policy", "rows together", "prompts", "exact match",
+                                                   "identical", "near-tie", "divergence", "drafts verified",
+                                                   "passed"],
+                    [[r["batch"], r.get("policy", "-"), r["rows_decoded_together"], r["prompts"],
+                      _pct(r["exact_match_rate"]), r["identical"], r["near-tie"], r["divergence"],
+                      r.get("drafted", "-"), r["passed"]]
                      for r in eq["details"]["per_batch"]]))
         diff = [r for r in eq["details"]["prompts"] if r["verdict"] != "identical"]
         if diff:
@@ -202,6 +210,13 @@ def _sections(report: dict) -> list[tuple[str, list[str], list[list]]]:
                         ["test", "kind", "n", "statistic", "p-value", "alpha", "passed"],
                         [[t["test"], t["kind"], t["n"], _f(t["statistic"], ".3g"), _f(t["p_value"], ".3g"),
                           _f(t["alpha"], ".2g"), t["passed"]] for t in f["tests"]]))
+    sd = _check(report, "seeded")
+    if sd and sd["figures"].get("applicable"):
+        out.append(("Seeded speculative vs seeded plain output", ["batch", "policy", "prompts", "identical",
+                                                                  "near-tie", "divergence", "drafts verified",
+                                                                  "passed"],
+                    [[r["batch"], r["policy"], r["prompts"], r["identical"], r["near-tie"], r["divergence"],
+                      r["drafted"], r["passed"]] for r in sd["details"]["per_config"]]))
     c = _check(report, "drafter-consistency")
     if c and c["figures"].get("applicable"):
         out.append(("Drafter consistency", ["batch", "positions compared", "near-ties", "mismatches"],

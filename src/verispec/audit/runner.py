@@ -6,7 +6,8 @@
 
 Checks, in report order: lossy rule (no statistics needed); equivalence, after the greedy
 runs (plain reference at batch 1 interleaved prompt by prompt with speculative batch 1,
-then speculative at every other batch size); distribution; drafter consistency,
+then speculative at every other batch size, and with drafting forced); distribution;
+seeded (seeded speculative output equals seeded plain output); drafter consistency,
 corruption and slices, which read the greedy runs too; load; record. A check whose code
 raises (a crash in the engine under audit) fails with the error in its details. With
 `config.inject_fault` the speculative engine (the system under audit) runs inside the
@@ -16,22 +17,20 @@ fault; references and teacher-forced passes never do.
 from __future__ import annotations
 
 import datetime
-import math
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import GenerationParams, Request
+from ..policy import FixedK
 from ..verify import LOSSY_RULES
-from . import consistency, corruption, distribution, load, record, speed
+from . import consistency, corruption, distribution, load, record, seeded, speed
 from .checks import CheckResult, verdict
 from .context import AuditConfig, AuditContext, DrafterFactory, GreedyRuns, encode, select_prompts
-from .equivalence import TIE_MARGIN, compare, reference_logits_at
+from .equivalence import EXACT_MATCH_MIN, TIE_MARGIN, compare, near_tie_allowance, reference_logits_at
 from .progress import NullProgress
 from .suite import SuitePrompt, load_suite
-
-EXACT_MATCH_MIN = 0.95
 
 
 @dataclass
@@ -126,6 +125,7 @@ def run_audit(config: AuditConfig, *, target=None, drafter_factory: DrafterFacto
 
     attempt("equivalence", equivalence_step)
     attempt("distribution", lambda: distribution.distribution_check(ctx))
+    attempt("seeded", lambda: seeded.seeded_check(ctx))
     attempt("drafter-consistency", on_runs("drafter-consistency", consistency.drafter_consistency_check))
     attempt("corruption", on_runs("corruption", corruption.corruption_check))
     attempt("slices", on_runs("slices", speed.slices_check))
@@ -176,12 +176,14 @@ def greedy_runs(ctx: AuditContext) -> GreedyRuns:
         with ctx.progress.stage(f"greedy: speculative, b={b}", n) as bar, ctx.fault():
             ctx.engine(min(b, n), max_len).run(reqs, on_finish=lambda r: bar.advance())
         spec[b] = reqs
-    return GreedyRuns(reference, spec, time.perf_counter() - t0)
-
-
-def near_tie_allowance(n: int) -> int:
-    """Non-identical outputs (all near-ties) tolerated among n prompts."""
-    return max(1, math.floor((1 - EXACT_MATCH_MIN) * n + 1e-9))
+    forced = None
+    if ctx.config.policy != "fixed":  # the deployed policy may draft little: force drafting too
+        b = max(ctx.config.greedy_batch_sizes)
+        reqs = [Request(ids, params) for ids in ctx.prompt_ids]
+        with ctx.progress.stage(f"greedy: speculative, fixed k={ctx.config.k}, b={b}", n) as bar, ctx.fault():
+            ctx.engine(min(b, n), max_len, policy=FixedK(ctx.config.k)).run(reqs, on_finish=lambda r: bar.advance())
+        forced = (b, reqs)
+    return GreedyRuns(reference, spec, time.perf_counter() - t0, forced)
 
 
 def equivalence_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
@@ -195,15 +197,18 @@ def equivalence_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
         return fn
 
     per_batch, rows, failures = [], [], []
-    total = sum(len(v) for v in runs.speculative.values())
+    configs = [(b, reqs, ctx.config.policy) for b, reqs in sorted(runs.speculative.items())]
+    if runs.forced is not None:
+        configs.append((runs.forced[0], runs.forced[1], f"fixed k={ctx.config.k}"))
+    total = sum(len(reqs) for _, reqs, _ in configs)
     with ctx.progress.stage("equivalence: margins", total) as bar:
-        for b, reqs in sorted(runs.speculative.items()):
+        for b, reqs, policy in configs:
             counts = {"identical": 0, "near-tie": 0, "divergence": 0}
             for i, (ref, got) in enumerate(zip(runs.reference, reqs)):
                 c = compare(ctx.prompt_ids[i], ref.output_ids, got.output_ids, margin_fn_for(i))
                 counts[c.verdict] += 1
-                rows.append({"batch": b, "id": ctx.prompts[i].id, "slice": ctx.prompts[i].slice,
-                             **c.to_dict()})
+                rows.append({"batch": b, "policy": policy, "id": ctx.prompts[i].id,
+                             "slice": ctx.prompts[i].slice, **c.to_dict()})
                 bar.advance()
             n = len(reqs)
             rate = counts["identical"] / n
@@ -212,17 +217,26 @@ def equivalence_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
             # batch-invariant mode promises bitwise identity: no near-tie is excused there
             allowance = 0 if ctx.config.batch_invariant else near_tie_allowance(n)
             ok = counts["divergence"] == 0 and n - counts["identical"] <= allowance
-            per_batch.append({"batch": b, "rows_decoded_together": min(b, n), "prompts": n,
-                              "exact_match_rate": rate, **counts, "passed": ok})
+            drafted = sum(r.stats.drafted for r in reqs)
+            per_batch.append({"batch": b, "policy": policy, "rows_decoded_together": min(b, n), "prompts": n,
+                              "exact_match_rate": rate, **counts, "drafted": drafted,
+                              "accepted": sum(r.stats.accepted for r in reqs), "passed": ok})
+            where = f"b={b}" if policy == ctx.config.policy else f"b={b} ({policy})"
             if counts["divergence"]:
-                failures.append(f"b={b}: {counts['divergence']} divergence(s) at a clear margin")
+                failures.append(f"{where}: {counts['divergence']} divergence(s) at a clear margin")
             elif not ok:
-                failures.append(f"b={b}: exact match {rate:.0%} < {EXACT_MATCH_MIN:.0%}")
+                failures.append(f"{where}: exact match {rate:.0%} < {EXACT_MATCH_MIN:.0%}")
+    main = [r for r in per_batch if r["policy"] == ctx.config.policy]
     worst = min(per_batch, key=lambda r: r["exact_match_rate"])
     passed = not failures
-    summary = ("exact match " + ", ".join(f"b{r['batch']} {r['exact_match_rate']:.0%}" for r in per_batch)
+    summary = ("exact match " + ", ".join(f"b{r['batch']} {r['exact_match_rate']:.0%}" for r in main)
+               + "".join(f", b{r['batch']} {r['policy']} {r['exact_match_rate']:.0%}"
+                         for r in per_batch if r not in main)
+               + f"; {sum(r['drafted'] for r in per_batch)} drafts verified"
                + ("" if passed else "; " + "; ".join(failures)))
-    figures = {"exact_match_by_batch": {str(r["batch"]): r["exact_match_rate"] for r in per_batch},
+    figures = {"exact_match_by_batch": {str(r["batch"]): r["exact_match_rate"] for r in main},
+               "forced_exact_match": next((r["exact_match_rate"] for r in per_batch if r not in main), None),
+               "drafts_verified": sum(r["drafted"] for r in per_batch),
                "min_exact_match": worst["exact_match_rate"],
                "divergences": sum(r["divergence"] for r in per_batch),
                "near_ties": sum(r["near-tie"] for r in per_batch),

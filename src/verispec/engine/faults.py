@@ -19,6 +19,7 @@ FAULTS = {
     "relaxed-acceptance": "drafts accepted with probability min(1, 2 p/q) instead of min(1, p/q)",
     "recovered-from-p": "the token after a rejected draft is drawn from p instead of the residual",
     "bonus-previous-position": "the bonus token is drawn from p at the last draft's position",
+    "keyed-noise-misaligned": "a verify pass over drafts reads the keyed noise one position late",
 }
 
 
@@ -90,6 +91,13 @@ def inject(name: str):
                 x[0] = x[1].clone()
             return x
         patch(core.Engine, "_pending_tokens", leaky)
+    elif name == "keyed-noise-misaligned":
+        keyed = core.keyed_gumbel
+
+        def late(seed, positions, V):  # only passes with drafts (more than one position)
+            positions = list(positions)
+            return keyed(seed, [p + 1 for p in positions] if len(positions) > 1 else positions, V)
+        patch(core, "keyed_gumbel", late)
     elif name in ("relaxed-acceptance", "recovered-from-p", "bonus-previous-position"):
         patch(rules, "RULES", {**rules.RULES, "rejection": _faulty_rejection(name)})
     try:
