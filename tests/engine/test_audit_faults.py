@@ -23,8 +23,9 @@ CAUGHT_BY = {
     "recovered-from-p": "distribution",
     "bonus-previous-position": "distribution",
     "keyed-noise-misaligned": "seeded",  # same seed, same bytes: only the seeded check sees it
+    "stop-only-at-run-end": "stopping",
 }
-CHECKS = ["lossy-rule", "equivalence", "distribution", "seeded", "drafter-consistency", "corruption", "slices",
+CHECKS = ["lossy-rule", "equivalence", "distribution", "seeded", "stopping", "drafter-consistency", "corruption", "slices",
           "load", "record"]
 
 

@@ -24,7 +24,7 @@ def test_quick_audit_passes_on_defaults(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["verdict"] == "pass" and report["failed_checks"] == []
     names = [c["name"] for c in report["checks"]]
-    assert names == ["lossy-rule", "equivalence", "distribution", "seeded", "drafter-consistency",
+    assert names == ["lossy-rule", "equivalence", "distribution", "seeded", "stopping", "drafter-consistency",
                      "corruption", "slices", "load", "record"]
     dist = next(c for c in report["checks"] if c["name"] == "distribution")
     assert dist["figures"]["n"] >= 2000

@@ -7,7 +7,8 @@
 Checks, in report order: lossy rule (no statistics needed); equivalence, after the greedy
 runs (plain reference at batch 1 interleaved prompt by prompt with speculative batch 1,
 then speculative at every other batch size, and with drafting forced); distribution;
-seeded (seeded speculative output equals seeded plain output); drafter consistency,
+seeded (seeded speculative output equals seeded plain output); stopping (stops and
+length limits inside drafted runs end where plain decoding ends); drafter consistency,
 corruption and slices, which read the greedy runs too; load; record. A check whose code
 raises (a crash in the engine under audit) fails with the error in its details. With
 `config.inject_fault` the speculative engine (the system under audit) runs inside the
@@ -25,7 +26,7 @@ from typing import Any
 from ..engine import GenerationParams, Request
 from ..policy import FixedK
 from ..verify import LOSSY_RULES
-from . import consistency, corruption, distribution, load, record, seeded, speed
+from . import consistency, corruption, distribution, load, record, seeded, speed, stopping
 from .checks import CheckResult, verdict
 from .context import AuditConfig, AuditContext, DrafterFactory, GreedyRuns, encode, select_prompts
 from .equivalence import EXACT_MATCH_MIN, TIE_MARGIN, compare, near_tie_allowance, reference_logits_at
@@ -126,6 +127,7 @@ def run_audit(config: AuditConfig, *, target=None, drafter_factory: DrafterFacto
     attempt("equivalence", equivalence_step)
     attempt("distribution", lambda: distribution.distribution_check(ctx))
     attempt("seeded", lambda: seeded.seeded_check(ctx))
+    attempt("stopping", on_runs("stopping", stopping.stopping_check))
     attempt("drafter-consistency", on_runs("drafter-consistency", consistency.drafter_consistency_check))
     attempt("corruption", on_runs("corruption", corruption.corruption_check))
     attempt("slices", on_runs("slices", speed.slices_check))

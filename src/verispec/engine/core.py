@@ -297,15 +297,7 @@ class Engine:
                 if self.keep_rejected_q > 0 and q is not None and acc_l[b] < num_l[b]:
                     self.keep_rejected_q -= 1  # q at the rejected position, for the audit's residual test
                     r.stats.rejected_q[len(r.stats.trace) - 1] = q[b, acc_l[b]].clone()
-            reason = None
-            for tok in emitted:
-                r.output_ids.append(tok)
-                if not r.params.ignore_eos and tok in r.params.stop_token_ids:
-                    reason = "stop"
-                    break
-                if len(r.output_ids) >= r.params.max_new_tokens:
-                    reason = "length"
-                    break
+            reason = self._append(r, emitted)
             n_out += len(r.output_ids) - r.stats.generated_tokens
             r.stats.generated_tokens = len(r.output_ids)
             committed.append(self._committed_length(r))
@@ -356,7 +348,18 @@ class Engine:
         qb = None if q is None else q[b:b + 1, :, :p.shape[-1]]  # [1,K,V]
         return verify(rule, p, qb, drafts[b:b + 1], num[b:b + 1], r.generator)
 
-    # Two small seams, kept as methods so that engine/faults.py can break them on purpose.
+    # Small seams, kept as methods so that engine/faults.py can break them on purpose.
+    def _append(self, r: Request, emitted: list[int]) -> str | None:
+        """Append a step's emitted tokens up to the first stop token or the length limit,
+        wherever it falls in the accepted run; -> "stop", "length" or None."""
+        for tok in emitted:
+            r.output_ids.append(tok)
+            if not r.params.ignore_eos and tok in r.params.stop_token_ids:
+                return "stop"
+            if len(r.output_ids) >= r.params.max_new_tokens:
+                return "length"
+        return None
+
     def _pending_tokens(self, reqs: list[Request]) -> torch.Tensor:
         return torch.tensor([[r.tokens[-1]] for r in reqs])  # [B,1]
 

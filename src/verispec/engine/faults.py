@@ -20,6 +20,7 @@ FAULTS = {
     "recovered-from-p": "the token after a rejected draft is drawn from p instead of the residual",
     "bonus-previous-position": "the bonus token is drawn from p at the last draft's position",
     "keyed-noise-misaligned": "a verify pass over drafts reads the keyed noise one position late",
+    "stop-only-at-run-end": "a stop token is honoured only as the last token of a step's emitted run",
 }
 
 
@@ -98,6 +99,16 @@ def inject(name: str):
             positions = list(positions)
             return keyed(seed, [p + 1 for p in positions] if len(positions) > 1 else positions, V)
         patch(core, "keyed_gumbel", late)
+    elif name == "stop-only-at-run-end":
+        def append(self, r, emitted):  # accepted drafts after a stop token are kept
+            for i, tok in enumerate(emitted):
+                r.output_ids.append(tok)
+                if i == len(emitted) - 1 and not r.params.ignore_eos and tok in r.params.stop_token_ids:
+                    return "stop"
+                if len(r.output_ids) >= r.params.max_new_tokens:
+                    return "length"
+            return None
+        patch(core.Engine, "_append", append)
     elif name in ("relaxed-acceptance", "recovered-from-p", "bonus-previous-position"):
         patch(rules, "RULES", {**rules.RULES, "rejection": _faulty_rejection(name)})
     try:
