@@ -63,10 +63,14 @@ def build_engine(target, tokenizer, args, max_len: int):
     from .drafters import make_drafter
     from .engine import Engine, EngineConfig
     from .policy import make_policy
+    from .policy.costs import CostCache
 
     drafter = make_drafter(args.draft, target, tokenizer, max_rows=args.batch_size,
                            max_len=max_len + args.k + 2)
-    policy = make_policy(args.policy, target, drafter, args.batch_size, args.k)
+    # the adaptive policy's cost model: measured on a machine's first run, then read from
+    # $VERISPEC_CACHE/costs (and rewritten there when decoding measures it drifting)
+    policy = make_policy(args.policy, target, drafter, args.batch_size, args.k,
+                         cost_cache=CostCache.default())
     return Engine(target, drafter, policy, EngineConfig(max_batch=args.batch_size, max_len=max_len,
                                                          rule=args.verify))
 

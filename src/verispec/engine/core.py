@@ -227,8 +227,9 @@ class Engine:
         # 2. propose
         K = max(k)
         t1 = time.perf_counter()
-        # a policy may stop rows while they draft, on the drafter's own confidence
-        halt = getattr(self.policy, "halt", None) if getattr(self.drafter, "halts", False) else None
+        # a policy that halts stops rows while a drafter that takes a halt rule drafts, on
+        # the drafter's own confidence
+        halt = self.policy.halt if self.policy.halts and getattr(self.drafter, "halts", False) else None
         if K > 0:
             kw = {} if halt is None else {"halt": lambda i, active, conf: halt(reqs, k, i, active, conf)}
             drafts, q, num = self.drafter.propose(rows, [r.tokens for r in reqs], k,
@@ -242,7 +243,7 @@ class Engine:
         # 3. verify all rows in ONE target pass over [pending, d_1..d_k]; a drafter may
         #    find fewer drafts than asked (prompt lookup without a match): no pass pays
         #    for padding columns that no row uses
-        if K > 0 and hasattr(self.policy, "trim"):  # a policy may settle k once drafts are found
+        if K > 0 and self.policy.trims:  # a policy that trims settles k once drafts are found
             num = torch.minimum(num, torch.tensor(self.policy.trim(reqs, num.tolist()), dtype=torch.long))
             k = num.tolist()  # what the policy settled on is what it asked for
         K = int(num.max())
@@ -311,12 +312,13 @@ class Engine:
         for b, why in failed.items():
             self._fail(reqs[b], why)
             finished.append((reqs[b], "error"))
-        # after the step: the policy never sees verdicts early. It learns from what it
-        # asked for: a draft the drafter could not find (no lookup match) counts as a
-        # rejected one, since the step paid for it in the same way
+        # after the step: the policy never sees verdicts early. k is what it asked for as
+        # settled in steps 2-3: for a policy that halts or trims, where halt() stopped a
+        # row or what trim() kept of the drafts found (never more than were drafted, so a
+        # draft the drafter could not find is not counted as rejected); for any other, k
+        # as chosen, whatever the drafter found
         self.policy.observe(reqs, k, acc_l)
-        if hasattr(self.policy, "observe_costs"):  # measured times refine a cost model
-            self.policy.observe_costs(B, K + 1, sum(kb > 0 for kb in k), max(k), t2 - t1, t3 - t2)
+        self.policy.observe_costs(B, K + 1, sum(kb > 0 for kb in k), max(k), t2 - t1, t3 - t2)
         done = {id(r) for r, _ in finished}
         self.running = [r for r in reqs if id(r) not in done]
         t4 = time.perf_counter()

@@ -6,6 +6,10 @@ CausalLM protocol (what the engine relies on)::
     new_cache(max_rows, max_len) -> KVCache
     forward(tokens [B,T], cache, rows [B], num_new [B] | None, *, last_only=False,
             num_layers=None) -> logits [B,T,V] (or [B,V] with last_only)
+    backend: str                        the kernels it runs on, and
+    fingerprint() -> str                a stable identity of its weights: what caches
+                                        keyed on the model key on (the adaptive policy's
+                                        measured costs, policy/costs.py; not the engine)
 
 The models layer knows nothing of speculation.
 """
@@ -28,6 +32,11 @@ class CausalLM(Protocol):
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, rows, num_new=None, *,
                 last_only: bool = False, num_layers: int | None = None) -> torch.Tensor: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    def fingerprint(self) -> str: ...
 
 
 @dataclass

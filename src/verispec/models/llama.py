@@ -9,6 +9,7 @@ checkpoints (config.json + safetensors) under Hugging Face parameter names.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 
@@ -102,6 +103,34 @@ class LlamaModel:
         for f in files:
             weights.update(load_file(str(f)))
         return cls(cfg, weights, batch_invariant=batch_invariant)
+
+    @property
+    def backend(self) -> str:
+        """The kernels this model runs on: the linear layers' backend (models/fastlinear.py)
+        and the attention's ('invariant' in batch-invariant mode, else 'sdpa')."""
+        linears = {self.lm_head.backend} | {lin.backend for l in self.layers
+                                             for lin in (l.qkv, l.o, l.gate_up, l.down)}
+        return "+".join(sorted(linears)) + ("/invariant" if self.batch_invariant else "/sdpa")
+
+    def fingerprint(self) -> str:
+        """A stable identity of this model (caches keyed on the model, e.g. the policy's
+        measured costs): SHA-256 over the config and the shape and a strided sample of
+        the values of the tensors kept unpacked (embedding: about 4096 values; every norm
+        weight in full). The packed linear weights are not read back; two checkpoints
+        that differ only there share a fingerprint. The same weights give the same
+        fingerprint in every process; computed once per model (~1 ms)."""
+        fp = self.__dict__.get("_fingerprint")
+        if fp is None:
+            h = hashlib.sha256(repr(self.config).encode())
+            flat = self.embed.reshape(-1)
+            tensors = [flat[:: max(1, flat.numel() // 4096)], self.norm]
+            tensors += [t for l in self.layers for t in (l.ln_attn, l.ln_mlp)]
+            for t in [self.embed, *tensors]:
+                h.update(repr(tuple(t.shape)).encode())
+            for t in tensors:
+                h.update(t.detach().contiguous().numpy().tobytes())
+            fp = self.__dict__["_fingerprint"] = h.hexdigest()
+        return fp
 
     def new_cache(self, max_rows: int, max_len: int) -> KVCache:
         c = self.config

@@ -1,33 +1,70 @@
 """How many tokens to draft per row per step. Drafters make tokens; policies pick k.
 
-Policy protocol::
+Every policy subclasses Policy (below): choose() is the one method it must have; the
+hooks the engine calls on every step have no-op defaults, so the engine calls them
+directly, never probing for them. A policy overrides the ones it uses:
 
     max_k: int                          upper bound on any choice (sizes the cache slack)
     choose(requests) -> list[int]       k per row, from what was known before this step
-    observe(requests, k, accepted)      the step's outcome, for adaptive policies: k as asked
-                                        (capped at what a row may still emit; a drafter may
-                                        have found fewer), accepted draft tokens per row
+    halts: bool = False                 True: while a drafter with `halts = True` drafts,
+    halt(requests, k, i, active, conf)  the engine passes it a callback to halt(), which
+        -> list[bool]                   stops rows on the drafter's own confidence
+                                        (drafters/__init__.py); the rows' k then is
+                                        where they stopped
+    trims: bool = False                 True: once drafts are found the engine calls
+    trim(requests, found) -> list[int]  trim(), which settles how many of them to verify
+                                        per row (default: all found); k then is that
+    observe(requests, k, accepted)      after the step: k per row (as chosen, or settled
+                                        by halt/trim), accepted draft tokens per row
+    observe_costs(B, tokens_per_row,    after the step: its measured times (the target
+        drafting_rows, drafts,          pass over B rows x tokens_per_row tokens, and
+        draft_s, verify_s)              drafting `drafts` tokens for drafting_rows rows)
 
-Optional hooks an engine uses when present: observe_costs(...) (measured step times),
-trim(requests, found) (settle k once a model-free drafter's drafts are found), and
-halt(requests, k, i, active, conf) -> list[bool] (stop rows while a drafter with
-`halts = True` drafts, on its own confidence; see drafters/__init__.py).
+The flags say whether the engine acts on a hook's answer: a policy that neither halts
+nor trims is told k as it chose it, whatever the drafter found, so the step's trace keeps
+what was asked of the drafter (the audit compares it with what a correct drafter finds).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from .config import AdaptiveConfig
+
+if TYPE_CHECKING:  # policy.costs imports numpy and torch: only make_policy() needs it
+    from .costs import CostCache
 
 
-class Policy(Protocol):
+class Policy(ABC):
+    """Base of every policy: choose() to implement, the other hooks no-ops (see above)."""
+
+    name: str = "policy"
     max_k: int
+    halts: bool = False
+    trims: bool = False
 
-    def choose(self, requests: list) -> list[int]: ...
+    @abstractmethod
+    def choose(self, requests: list) -> list[int]:
+        """k per row for this step (before any draft of it is made)."""
 
-    def observe(self, requests: list, k: list[int], accepted: list[int]) -> None: ...
+    def observe(self, requests: list, k: list[int], accepted: list[int]) -> None:
+        """The step's outcome (a policy that learns nothing ignores it)."""
+
+    def observe_costs(self, B: int, tokens_per_row: int, drafting_rows: int, drafts: int,
+                      draft_s: float, verify_s: float) -> None:
+        """The step's measured times (a policy without a cost model ignores them)."""
+
+    def trim(self, requests: list, found: list[int]) -> list[int]:
+        """How many of the drafts found per row to verify: all of them."""
+        return list(found)
+
+    def halt(self, requests: list, k: list[int], i: int, active: list[int], conf) -> list[bool]:
+        """Which of the rows `active` stop after draft position i: none."""
+        return [False] * len(active)
 
 
-class FixedK:
+class FixedK(Policy):
     """Draft the same k tokens for every row at every step (k = 0: plain decoding)."""
 
     name = "fixed"
@@ -40,17 +77,27 @@ class FixedK:
     def choose(self, requests):
         return [self.max_k] * len(requests)
 
-    def observe(self, requests, k, accepted):
-        pass
 
+class PolicyWrapper(Policy):
+    """Base for a policy that wraps another: every hook, and the flags saying whether the
+    engine acts on halt() and trim(), pass through to the wrapped policy; a subclass
+    overrides what it changes (choose(), mostly)."""
 
-class PolicyWrapper:
-    """Base for a policy that wraps another: the optional hooks an engine looks for
-    (observe_costs, trim) pass through to the wrapped policy when it has them."""
-
-    def __init__(self, inner):
+    def __init__(self, inner: Policy):
         self.inner = inner
         self.max_k = inner.max_k
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def halts(self) -> bool:
+        return self.inner.halts
+
+    @property
+    def trims(self) -> bool:
+        return self.inner.trims
 
     def choose(self, requests):
         return self.inner.choose(requests)
@@ -58,16 +105,14 @@ class PolicyWrapper:
     def observe(self, requests, k, accepted):
         self.inner.observe(requests, k, accepted)
 
-    def observe_costs(self, *args):
-        if hasattr(self.inner, "observe_costs"):
-            self.inner.observe_costs(*args)
+    def observe_costs(self, B, tokens_per_row, drafting_rows, drafts, draft_s, verify_s):
+        self.inner.observe_costs(B, tokens_per_row, drafting_rows, drafts, draft_s, verify_s)
 
     def trim(self, requests, found):
-        return self.inner.trim(requests, found) if hasattr(self.inner, "trim") else list(found)
+        return self.inner.trim(requests, found)
 
     def halt(self, requests, k, i, active, conf):
-        h = getattr(self.inner, "halt", None)
-        return h(requests, k, i, active, conf) if h is not None else [False] * len(active)
+        return self.inner.halt(requests, k, i, active, conf)
 
 
 # --k when not given: the adaptive policy's k is a cap (a draft model or layer-skip stops
@@ -81,15 +126,25 @@ def resolve_k(kind: str, k: int | None) -> int:
     return DEFAULT_K.get(kind, 4) if k is None else k
 
 
-def make_policy(kind: str, target, drafter, max_batch: int, k: int):
-    """The policy a CLI or server asks for: 'adaptive' (costs timed now, on this machine,
-    up to max_batch rows and k drafts) or 'fixed' (always k); plain decoding where there
-    is no drafter or k = 0."""
+def make_policy(kind: str, target, drafter, max_batch: int, k: int, *,
+                config: AdaptiveConfig | None = None, cost_cache: CostCache | None = None) -> Policy:
+    """The policy a CLI or server asks for: 'adaptive' (the costs of this machine up to
+    max_batch rows and k drafts, tunables from config: AdaptiveConfig()'s defaults unless
+    given) or 'fixed' (always k); plain decoding where there is no drafter or k = 0.
+
+    cost_cache: a policy.costs.CostCache (CostCache.default() is the machine's, under
+    $VERISPEC_CACHE/costs) to read the measured cost model from and write it to; None
+    measures it now and keeps nothing."""
     if kind not in ("adaptive", "fixed"):
         raise ValueError(f"unknown policy {kind!r}; valid: adaptive, fixed")
     if drafter is None or k == 0:
         return FixedK(0)
     if kind == "fixed":
         return FixedK(k)
-    from .adaptive import AdaptivePolicy, measure_costs
-    return AdaptivePolicy(measure_costs(target, drafter, max_batch, k), max_k=k)
+    from .adaptive import AdaptivePolicy
+    from .costs import cached_costs
+    costs, entry = cached_costs(target, drafter, max_batch, k, cost_cache)
+    return AdaptivePolicy(costs, max_k=k, config=config, cost_entry=entry)
+
+
+__all__ = ["AdaptiveConfig", "DEFAULT_K", "FixedK", "Policy", "PolicyWrapper", "make_policy", "resolve_k"]

@@ -3,11 +3,12 @@ maximises the batch's expected tokens per second, so speculation can only help.
 
 Inputs, all known before the step (the policy is non-anticipating: the target's
 verdicts of a step reach it only through observe(), after the step):
-- a cost model measured at start-up: the target forward's time as a function of the
-  batch's shape (B rows x T tokens per row; the engine pads every row of a step to the
-  step's longest draft, so a step whose longest draft is k costs target(B, k + 1)
-  whichever rows draft), and the drafter's time per draft token as a function of the
-  rows drafting;
+- a cost model measured on this machine (policy/costs.py: timed at the first start,
+  then read from a disk cache, which is rewritten when the times measured while decoding
+  drift from it): the target forward's time as a function of the batch's shape (B rows
+  x T tokens per row; the engine pads every row of a step to the step's longest draft,
+  so a step whose longest draft is k costs target(B, k + 1) whichever rows draft), and
+  the drafter's time per draft token as a function of the rows drafting;
 - each row's running acceptance per draft position: the probability that draft i is
   accepted given drafts 1..i-1 were, from exponentially forgotten counts. Per position,
   because acceptance is not geometric: a prompt-lookup draft that survives its first
@@ -22,9 +23,9 @@ verdicts of a step reach it only through observe(), after the step):
 For a candidate choice "the m rows most likely to accept draft k tokens, the rest
 draft none", expected emitted tokens are sum_b (1 + a_b1 + a_b1 a_b2 + ...) and the
 cost is k * t_draft(m) + t_target(B, k + 1); the best (m, k), k = 0 included, wins, and
-a choice must beat plain decoding's rate by a margin of 5% (the cost model is a
-measurement, not the truth). Rows whose drafts keep failing fall out of the top m;
-they are probed again with one draft token after an interval that doubles with every
+a choice must beat plain decoding's rate by a margin (AdaptiveConfig.min_gain, 5%: the
+cost model is a measurement, not the truth). Rows whose drafts keep failing fall out of
+the top m; they are probed again with one draft token after an interval that doubles with every
 failed probe and is never so short that probes cost the batch over 1% of its time.
 Probes are gathered into shared steps (a probe pays for a padded pass, which then
 costs the same for every row that probes in it).
@@ -38,159 +39,27 @@ draft is expected to bring tokens faster than the engine has been emitting them.
 from prompt to prompt and from token to token; a cap plus a stopping rule on the
 drafter's own probabilities follows it within a step, which a k chosen from averages
 cannot. Stopping on the drafter's probabilities is allowed: the verdicts of the step
-never enter it, so the output distribution is unchanged.
+never enter it, so the output distribution is unchanged. The calibration lives in
+policy/calibration.py.
+
+Every tunable (margins, forgetting factors, probe intervals, optimism) is a field of
+AdaptiveConfig (policy/config.py), built at the edge and passed in.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass
+from dataclasses import replace
 
 import numpy as np
-import torch
 
+from . import Policy
+from .calibration import CONF_EDGES, CONF_MIDS, ConfidenceCalibration
+from .config import AdaptiveConfig
+from .costs import CostEntry, CostModel, CostRefresher, _isotonic, measure_costs
 
-def _interp(x, xs, ys):
-    """Piecewise linear through (xs, ys); flat below the first point, linear beyond the last."""
-    x = np.asarray(x, dtype=np.float64)
-    xs, ys = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
-    y = np.interp(x, xs, ys)
-    if len(xs) >= 2:
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        y = np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), y)
-    return y
-
-
-def _isotonic(y, w) -> np.ndarray:
-    """The non-decreasing sequence closest to y in weighted least squares (pool adjacent
-    violators)."""
-    vals, wts, cnt = [], [], []
-    for yi, wi in zip(np.asarray(y, dtype=np.float64), np.asarray(w, dtype=np.float64)):
-        vals.append(float(yi))
-        wts.append(float(wi))
-        cnt.append(1)
-        while len(vals) > 1 and vals[-2] > vals[-1]:
-            v, wv, c = vals.pop(), wts.pop(), cnt.pop()
-            vals[-1] = (vals[-1] * wts[-1] + v * wv) / (wts[-1] + wv)
-            wts[-1] += wv
-            cnt[-1] += c
-    return np.repeat(vals, cnt)
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Measured seconds.
-
-    target_s[i][j]: one target forward over batch_pts[i] rows x token_pts[j] tokens per
-    row (interpolated bilinearly between grid points, linearly beyond the last).
-    draft_s[i]: the drafter's time per draft token when draft_rows[i] rows draft.
-    """
-
-    batch_pts: tuple[int, ...]
-    token_pts: tuple[int, ...]
-    target_s: tuple[tuple[float, ...], ...]  # [len(batch_pts)][len(token_pts)]
-    draft_rows: tuple[int, ...]
-    draft_s: tuple[float, ...]
-    # a model-free drafter (prompt lookup): proposing costs ~nothing, so the policy asks
-    # for max_k and settles the verified length per step from the drafts actually found
-    draft_free: bool = False
-    # the drafter takes a halt rule (drafters/__init__.py): the policy then sets a cap on
-    # drafts and stops each row on the drafter's confidence in what it has drafted
-    halts: bool = False
-
-    def __post_init__(self):
-        if len(self.target_s) != len(self.batch_pts) or any(len(r) != len(self.token_pts) for r in self.target_s):
-            raise ValueError("target_s must be a len(batch_pts) x len(token_pts) grid")
-        if len(self.draft_rows) != len(self.draft_s):
-            raise ValueError("draft_rows and draft_s differ in length")
-
-    @classmethod
-    def from_total_tokens(cls, rows, secs, draft_rows, draft_s, *, max_batch: int = 64,
-                          max_tokens: int = 17, draft_free: bool = False, halts: bool = False) -> "CostModel":
-        """A synthetic model whose pass costs f(B * T), f piecewise linear through (rows, secs)."""
-        bp, tp = tuple(range(1, max_batch + 1)), tuple(range(1, max_tokens + 1))
-        grid = tuple(tuple(float(_interp(b * t, rows, secs)) for t in tp) for b in bp)
-        return cls(bp, tp, grid, tuple(draft_rows), tuple(draft_s), draft_free=draft_free, halts=halts)
-
-    def target(self, B: int, T):
-        """Seconds of one target pass over B rows x T tokens (T: a number or an array)."""
-        per_b = np.stack([_interp(T, self.token_pts, row) for row in self.target_s])  # [nB, *T]
-        xs = np.asarray(self.batch_pts, dtype=np.float64)
-        if len(xs) == 1:
-            return per_b[0]
-        x = max(float(B), xs[0])
-        i = int(np.clip(np.searchsorted(xs, x) - 1, 0, len(xs) - 2))
-        w = (x - xs[i]) / (xs[i + 1] - xs[i])
-        return per_b[i] * (1.0 - w) + per_b[i + 1] * w
-
-    def draft(self, rows):
-        return np.where(np.asarray(rows) > 0, _interp(rows, self.draft_rows, self.draft_s), 0.0)
-
-
-def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = 160,
-                  repeats: int = 3) -> CostModel:
-    """Time the target on B rows x T tokens over a grid up to (max_batch, max_k + 1),
-    each row on a cached context, and the drafter on 1..max_batch rows. The grid is
-    timed round-robin (a burst of load on a shared machine hits every shape alike);
-    the median of `repeats` is kept."""
-    from ..drafters.draft_model import DraftModelDrafter
-    from ..drafters.layerskip import LayerSkipDrafter
-    from ..sampling import SamplingParams
-
-    V = target.config.vocab_size
-    bps = sorted({1, 2, 4, 8, 16, 32, 64, 128} & set(range(1, max_batch + 1)) | {max_batch})
-    tps = sorted({1, 2, 3, 5, 9, 17} & set(range(1, max_k + 2)) | {max_k + 1})
-    cache = target.new_cache(max_batch, context + max_k + 1)
-    rows = cache.alloc(max_batch)
-    target.forward(torch.randint(0, V, (max_batch, context)), cache, rows, last_only=True)
-
-    def target_pass(B, T, **kw):
-        def f():
-            target.forward(torch.randint(0, V, (B, T)), cache, rows[:B], **kw)
-            cache.truncate(rows[:B], [context] * B)
-        return f
-
-    def timed_grid(fns):
-        for f in fns:  # warm-up
-            f()
-        ts = [[] for _ in fns]
-        for _ in range(repeats):
-            for i, f in enumerate(fns):
-                t = time.perf_counter()
-                f()
-                ts[i].append(time.perf_counter() - t)
-        return [float(np.median(x)) for x in ts]
-
-    shapes = [(b, t) for b in bps for t in tps]
-    flat = timed_grid([target_pass(b, t) for b, t in shapes])
-    grid = tuple(tuple(flat[i * len(tps):(i + 1) * len(tps)]) for i in range(len(bps)))
-    d_pts = sorted({1, 2, 4, 8, 16, 32, max_batch} & set(range(1, max_batch + 1)))
-    if isinstance(drafter, DraftModelDrafter):
-        dm = drafter.model
-        dc = dm.new_cache(max(d_pts), context + 1)
-        drows = dc.alloc(max(d_pts))
-        dm.forward(torch.randint(0, V, (len(drows), context)).clamp(max=dm.config.vocab_size - 1), dc, drows)
-
-        def dfwd(m):
-            def f():
-                dm.forward(torch.zeros(m, 1, dtype=torch.long), dc, drows[:m], last_only=True)
-                dc.truncate(drows[:m], [context] * m)
-            return f
-        d_s = timed_grid([dfwd(m) for m in d_pts])
-    elif isinstance(drafter, LayerSkipDrafter):
-        d_s = timed_grid([target_pass(m, 1, last_only=True, num_layers=drafter.num_layers) for m in d_pts])
-    else:  # model-free drafters (prompt lookup): one propose call for k = max_k, per token
-        g = torch.Generator().manual_seed(0)
-        seqs = [torch.randint(0, V, (context + 192,), generator=g).tolist() for _ in range(max(d_pts))]
-        greedy = SamplingParams()
-
-        def prop(m):
-            return lambda: drafter.propose(list(range(m)), seqs[:m], [max_k] * m, [greedy] * m, [None] * m)
-        d_s = [t / max_k for t in timed_grid([prop(m) for m in d_pts])]
-    free = not isinstance(drafter, (DraftModelDrafter, LayerSkipDrafter))
-    return CostModel(tuple(bps), tuple(tps), grid, tuple(d_pts), tuple(d_s), draft_free=free,
-                     halts=bool(getattr(drafter, "halts", False)))
+# CostModel, measure_costs, CONF_EDGES and _isotonic are imported from here by tests and benchmarks
+__all__ = ["AdaptiveConfig", "AdaptivePolicy", "CONF_EDGES", "CONF_MIDS", "CostModel", "measure_costs"]
 
 
 class _RowState:
@@ -214,69 +83,79 @@ class _RowState:
         self.edits += 1
 
 
-# bins of the drafter's confidence in a draft (its probability of the drafted token)
-CONF_EDGES = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98])
-CONF_MIDS = (CONF_EDGES + np.append(CONF_EDGES[1:], 1.0)) / 2.0
+class AdaptivePolicy(Policy):
+    """See the module docstring. costs: the cost model; max_k: the most drafts per row and
+    step; config: the tunables (AdaptiveConfig()'s defaults unless given); overrides:
+    AdaptiveConfig fields to replace in it (AdaptivePolicy(costs, max_k=4, prior=0.0));
+    cost_entry: the disk-cache entry `costs` came from (policy/costs.py), refreshed when
+    the step times observe_costs() reports drift from it (None: no cache)."""
 
-
-def _conf_bin(conf) -> np.ndarray:
-    """The CONF_EDGES bin of each confidence."""
-    c = np.atleast_1d(np.asarray(conf, dtype=np.float64))
-    return np.clip(np.searchsorted(CONF_EDGES, c, side="right") - 1, 0, len(CONF_EDGES) - 1)
-
-
-class AdaptivePolicy:
     name = "adaptive"
 
-    def __init__(self, costs: CostModel, max_k: int = 8, prior: float = 0.6, decay: float = 0.1,
-                 min_probe: int = 8, max_probe: int = 128, min_gain: float = 0.05):
+    def __init__(self, costs: CostModel, max_k: int = 8, config: AdaptiveConfig | None = None, *,
+                 cost_entry: CostEntry | None = None, **overrides):
         if max_k < 1:
             raise ValueError("max_k must be >= 1")
-        self.costs, self.max_k, self.prior, self.decay = costs, max_k, prior, decay
-        self.min_probe, self.max_probe = min_probe, max_probe
-        self.min_gain = min_gain  # a choice must beat plain decoding's modelled rate by this
-        self.probe_budget = 0.005  # share of a step's time one probe interval may spend probing
+        cfg = replace(config or AdaptiveConfig(), **overrides)
+        self.config = cfg
+        self.costs, self.max_k = costs, max_k
+        self.halts = costs.halts  # halt() stops rows on the drafter's confidence
+        self.trims = costs.draft_free  # trim() settles k on the drafts a model-free drafter found
+        self.refresher = None if cost_entry is None else CostRefresher(
+            cost_entry, cfg.drift_tolerance, cfg.drift_min_steps, cfg.drift_keep, cfg.max_swing)
         self._cache: dict[int, tuple] = {}
         self._costs_now: dict[int, tuple] = {}  # _pass_costs per batch size until the next measurement
         self._version = 0  # bumped whenever a draft is observed (row records, drafter figures)
         self._memo = None  # (request ids, records' versions, steps it may still serve, plan): _planned()
-        self.replan_every = 16
         self.scale = {"plain": 1.0, "wide": 1.0, "draft": 1.0}  # measured / modelled time
-        self.calibration = 0.1  # weight of each step's measurement in those ratios
         self.rows: dict[str, _RowState] = {}
         # the drafter's record over every row, per draft position (forgotten per row-step)
         self.gs, self.gn = np.zeros(max_k), np.zeros(max_k)
-        self.global_keep = 0.98
-        self.global_strength = 5.0  # trials' worth of weight of the prior in the drafter's figures
-        self.optimism = 0.5  # standard errors added to the drafter's figures (see _optimistic_global)
-        self.row_strength = 3.0  # expected acceptances' worth of weight of the drafter in a row's
         # calibration of the drafter's confidence: P(draft accepted | drafts before it were,
         # the drafter gave it probability c), per bin of c, from forgotten counts (halt())
-        self.cs, self.cn = np.zeros(len(CONF_EDGES)), np.zeros(len(CONF_EDGES))
-        self.conf_keep = 0.995  # per draft observed
-        self.conf_strength = 10.0  # drafts' worth of weight of the prior (a calibrated drafter)
+        self.calibration = ConfidenceCalibration(cfg.conf_keep, cfg.conf_strength)
         self._conf: dict = {}  # request_id -> the step's draft confidences so far
-        self._curve = None  # the calibration curve per bin, refitted after new records
         # realised tokens per second per batch size: the rate a marginal draft must beat
         # in halt(); until a batch size has one, the plan's. It is forgotten sums of
         # tokens over forgotten sums of seconds (the renewal rate), not an average of
         # per-step rates, which a short step that emits much would pull up
         self.rate_seen: dict[int, float] = {}
         self._rate_sums: dict[int, tuple[float, float]] = {}
-        self.rate_keep = 0.9
         self._emitted = None  # (batch, tokens) of the step observe() saw last
         # measured target pass times per batch size and tokens per row: forgotten sums
-        # of seconds and counts per shape. They join the start-up grid's figures (worth
-        # one measurement each), whose few timings on a shared machine can misshape the
-        # cost of one more column
+        # of seconds and counts per shape. They join the cost model's figures (worth one
+        # measurement each), whose few timings on a shared machine can misshape the cost
+        # of one more column
         self.pass_seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self.pass_keep = 0.8
         self._step = None  # (request ids, alphas [B,K], planned rate) of the step being drafted
+
+    # read-only shortcuts to the config figures tests read off the policy
+    min_probe = property(lambda self: self.config.min_probe)
+    probe_budget = property(lambda self: self.config.probe_budget)
+    replan_every = property(lambda self: self.config.replan_every)
+    conf_keep = property(lambda self: self.config.conf_keep)
+
+    # the calibration's records, [bins] each (policy/calibration.py)
+    @property
+    def cs(self) -> np.ndarray:
+        return self.calibration.cs
+
+    @cs.setter
+    def cs(self, v) -> None:
+        self.calibration.cs = v
+
+    @property
+    def cn(self) -> np.ndarray:
+        return self.calibration.cn
+
+    @cn.setter
+    def cn(self, v) -> None:
+        self.calibration.cn = v
 
     def _state(self, req) -> _RowState:
         st = self.rows.get(req.request_id)
         if st is None:
-            st = self.rows[req.request_id] = _RowState(self.max_k, self.min_probe)
+            st = self.rows[req.request_id] = _RowState(self.max_k, self.config.min_probe)
         return st
 
     @property
@@ -285,18 +164,19 @@ class AdaptivePolicy:
         position's record is shrunk toward the position before it (the first toward the
         prior), so a position no row has tried yet takes the rate of the last one tried,
         not a fixed guess."""
-        g, prev, c = np.empty(self.max_k), self.prior, self.global_strength
+        g, prev, c = np.empty(self.max_k), self.config.prior, self.config.global_strength
         for i in range(self.max_k):
             g[i] = prev = (self.gs[i] + c * prev) / (self.gn[i] + c)
         return g
 
     def _optimistic_global(self) -> np.ndarray:
-        """[K]: global_alpha plus half a standard error. A position past the k chosen so
-        far is never tried, so an estimate that came out low on a few unlucky drafts
-        would never be corrected; a little optimism where the record is thin makes the
-        policy try it, and vanishes as the record grows."""
+        """[K]: global_alpha plus config.optimism (0.5) standard errors. A position past
+        the k chosen so far is never tried, so an estimate that came out low on a few
+        unlucky drafts would never be corrected; a little optimism where the record is
+        thin makes the policy try it, and vanishes as the record grows."""
         g = self.global_alpha
-        return np.minimum(g + self.optimism * np.sqrt(g * (1.0 - g) / (self.gn + self.global_strength)), 1.0)
+        cfg = self.config
+        return np.minimum(g + cfg.optimism * np.sqrt(g * (1.0 - g) / (self.gn + cfg.global_strength)), 1.0)
 
     def _alphas(self, states) -> np.ndarray:
         """[B, K]: each row's P(draft i accepted | the drafts before it were), as the
@@ -307,7 +187,7 @@ class AdaptivePolicy:
         g = self._optimistic_global()  # [K]
         S = np.stack([st.s for st in states])  # [B,K]
         N = np.stack([st.n for st in states])  # [B,K]
-        c = self.row_strength
+        c = self.config.row_strength
         level = (S.sum(1) + c) / (N @ g + c)  # [B]
         return np.clip(level[:, None] * g[None, :], 0.0, 1.0)
 
@@ -342,7 +222,7 @@ class AdaptivePolicy:
         base = B / float(t_pass[0])
         i, j = np.unravel_index(int(np.argmax(rate)), rate.shape)
         choice = [0] * B
-        if rate[i, j] > base * (1.0 + self.min_gain) and j > 0:
+        if rate[i, j] > base * (1.0 + self.config.min_gain) and j > 0:
             for b in order[: i + 1, j]:
                 choice[int(b)] = int(j)
             return choice, float(rate[i, j])
@@ -350,51 +230,8 @@ class AdaptivePolicy:
 
     def calibrated(self, conf) -> np.ndarray:
         """P(a draft is accepted | the drafts before it were), given the drafter's own
-        probability of it (conf, array-like): the bin's forgotten record, shrunk toward
-        a logistic fit over every bin (_calibration_curve), so a bin with little record
-        follows the drafter's calibration as a whole."""
-        i = _conf_bin(conf)
-        if self._curve is None:
-            self._curve = self._calibration_curve()
-        c = self.conf_strength
-        return (self.cs[i] + c * self._curve[i]) / (self.cn[i] + c)
-
-    def _calibration_curve(self) -> np.ndarray:
-        """[bins]: sigma(a + b logit(c)) at each bin's middle, (a, b) fitted to the bins'
-        records by a few Newton steps, with a Gaussian prior around (0, 1): a calibrated
-        drafter. A draft model of the target's family is underconfident (its pick is the
-        target's more often than it believes), a poorly matched one overconfident; two
-        numbers learn either from a few dozen drafts."""
-        x = np.log(CONF_MIDS / (1.0 - CONF_MIDS))  # [bins] logit of each bin's middle
-        X = np.stack([np.ones_like(x), x], axis=1)  # [bins, 2]
-        # prior mean and precision: the slope is held more firmly than the offset, so
-        # records in a few bins move the curve rather than tilt it
-        w0, lam = np.array([0.0, 1.0]), np.array([1.0, 10.0])
-        s, n = self.cs, self.cn
-
-        def objective(w):  # log posterior
-            z = X @ w
-            return float(s @ z - n @ np.logaddexp(0.0, z) - 0.5 * float(lam @ (w - w0) ** 2))
-
-        w, f = w0.copy(), objective(w0)
-        for _ in range(20):  # Newton with step halving: the posterior is concave
-            p = 1.0 / (1.0 + np.exp(-(X @ w)))
-            grad = X.T @ (s - n * p) - lam * (w - w0)
-            H = (X * (n * p * (1.0 - p))[:, None]).T @ X + np.diag(lam)
-            step = np.linalg.solve(H, grad)
-            t = 1.0
-            while t > 1e-3 and objective(w + t * step) < f:
-                t /= 2.0
-            w_new = w + t * step
-            f_new = objective(w_new)
-            if f_new < f:
-                break
-            w, done = w_new, f_new - f < 1e-9
-            f = f_new
-            if done:
-                break
-        w[1] = max(w[1], 0.05)  # acceptance does not fall as confidence rises
-        return 1.0 / (1.0 + np.exp(-(X @ w)))
+        probability of it (conf, array-like): ConfidenceCalibration.calibrated()."""
+        return self.calibration.calibrated(conf)
 
     def halt(self, requests, k: list[int], i: int, active: list[int], conf) -> list[bool]:
         """Called by the drafter after it drafted position i (0-based) for the rows
@@ -412,7 +249,7 @@ class AdaptivePolicy:
         for b, cb in zip(active, conf):
             self._conf.setdefault(requests[b].request_id, []).append(float(cb))
         going = [j for j, b in enumerate(active) if k[b] > i + 1 and i + 1 < self.max_k]
-        if not self.costs.halts or not going:
+        if not self.halts or not going:
             return [False] * len(active)
         ids = [r.request_id for r in requests]
         if self._step is None or self._step[0] != ids:  # called without this step's choose()
@@ -436,8 +273,8 @@ class AdaptivePolicy:
         return stop
 
     def _model_costs(self, B: int):
-        """Start-up figures: (target pass over B rows x 1..max_k+1 tokens [K+1], draft token
-        for 1..B rows drafting [B]), memoised."""
+        """The cost model's figures: (target pass over B rows x 1..max_k+1 tokens [K+1],
+        draft token for 1..B rows drafting [B]), memoised."""
         c = self._cache.get(B)
         if c is None:
             c = self._cache[B] = (np.asarray(self.costs.target(B, np.arange(1.0, self.max_k + 2))),
@@ -446,7 +283,7 @@ class AdaptivePolicy:
 
     def _pass_costs(self, B: int):
         """The engine's measured pass times where it has them (this batch size, these
-        tokens per row); elsewhere the start-up figures rescaled by what it has measured.
+        tokens per row); elsewhere the cost model's figures rescaled by what it has measured.
         Memoised until observe_costs() records a measurement (choose, trim, halt and
         probe_interval ask several times a step, and the step is a few ms on a small model)."""
         c = self._costs_now.get(B)
@@ -459,7 +296,7 @@ class AdaptivePolicy:
         t_pass = t_pass * np.where(np.arange(len(t_pass)) == 0, self.scale["plain"], self.scale["wide"])
         seen = self.pass_seen.get(B)
         if seen is not None:
-            # each shape: its measurements pooled with the rescaled start-up figure; then
+            # each shape: its measurements pooled with the rescaled model's figure; then
             # a non-decreasing fit over tokens per row (a wider pass never costs less), so
             # one slow spell at one shape reads as noise, not as a wall the policy would
             # never cross again to correct it
@@ -475,11 +312,14 @@ class AdaptivePolicy:
         wider passes, drafting) rescale the cost model, so a start-up timing that was
         off, or a machine whose load changed, stops steering the choice; and the pass time
         at this exact shape is kept (pass_seen) to replace the start-up figure. Timings
-        are not verdicts: using them keeps the policy non-anticipating."""
+        are not verdicts: using them keeps the policy non-anticipating. With a disk-cache
+        entry, the same measurements feed its CostRefresher, which rewrites the entry when
+        they drift from it (policy/costs.py)."""
+        cfg = self.config
         if self._emitted is not None and self._emitted[0] == B and draft_s + verify_s > 0:
             tok, sec = self._rate_sums.get(B, (0.0, 0.0))
-            tok = self.rate_keep * tok + self._emitted[1]
-            sec = self.rate_keep * sec + draft_s + verify_s
+            tok = cfg.rate_keep * tok + self._emitted[1]
+            sec = cfg.rate_keep * sec + draft_s + verify_s
             self._rate_sums[B] = (tok, sec)
             self.rate_seen[B] = tok / sec
         self._emitted = None
@@ -490,28 +330,47 @@ class AdaptivePolicy:
         self._update_scale(key, verify_s / float(t_pass[T - 1]))
         if math.isfinite(verify_s) and verify_s > 0:
             secs, n = self.pass_seen.setdefault(B, (np.zeros(len(t_pass)), np.zeros(len(t_pass))))
-            secs[T - 1] *= self.pass_keep
-            n[T - 1] *= self.pass_keep
-            secs[T - 1] += min(max(verify_s, 0.25 * now), 4.0 * now)  # one stalled step must not swing it
+            secs[T - 1] *= cfg.pass_keep
+            n[T - 1] *= cfg.pass_keep
+            # one stalled step must not swing it
+            secs[T - 1] += min(max(verify_s, now / cfg.max_swing), cfg.max_swing * now)
             n[T - 1] += 1.0
             self._costs_now.clear()
         if drafts > 0 and drafting_rows > 0:
             self._update_scale("draft", draft_s / (drafts * float(t_draft[min(drafting_rows, B) - 1])))
+        if self.refresher is not None:
+            self._watch_drift(key, verify_s, float(t_pass[T - 1]), drafting_rows, drafts, draft_s,
+                              float(t_draft[min(max(drafting_rows, 1), B) - 1]))
+
+    def _watch_drift(self, key, verify_s, model_s, drafting_rows, drafts, draft_s, model_draft_s) -> None:
+        """Feed the cache entry's refresher one step (see CostRefresher). A model-free
+        drafter's draft times are left out: the engine reports the drafts verified (after
+        trim()), while proposing was asked for max_k, so their ratio is not the drafter's."""
+        r = self.refresher
+        if drafts > 0 and drafting_rows > 0 and not self.costs.draft_free:
+            r.observe(key, verify_s, model_s, draft_s, drafts * model_draft_s)
+        else:
+            r.observe(key, verify_s, model_s)
+        if r.due():
+            r.refresh(self.costs, self.pass_seen)
 
     def _update_scale(self, key: str, ratio: float) -> None:
         if math.isfinite(ratio) and ratio > 0:
-            ratio = min(max(ratio, 0.25), 4.0)  # one stalled step must not swing the model
-            self.scale[key] = (1 - self.calibration) * self.scale[key] + self.calibration * ratio
+            s = self.config.max_swing
+            ratio = min(max(ratio, 1.0 / s), s)  # one stalled step must not swing the model
+            w = self.config.scale_weight
+            self.scale[key] = (1 - w) * self.scale[key] + w * ratio
             self._costs_now.clear()
 
     def probe_interval(self, B: int) -> int:
         """Idle steps before a row left out is probed: min_probe, or longer where a probe
-        is dear. Its wider pass and its draft token must cost the batch under 0.5% of its
-        time per interval: with rows out of phase, probes gather in about two steps per
-        interval, which keeps them near 1%."""
+        is dear. Its wider pass and its draft token must cost the batch under probe_budget
+        (0.5%) of its time per interval: with rows out of phase, probes gather in about two
+        steps per interval, which keeps them near 1%."""
+        cfg = self.config
         t, d = self._pass_costs(B)
         extra = (float(t[1]) - float(t[0]) + float(d[0])) / float(t[0]) if len(t) > 1 else 0.0
-        return min(max(self.min_probe, int(np.ceil(extra / self.probe_budget))), 100 * self.max_probe)
+        return min(max(cfg.min_probe, int(np.ceil(extra / cfg.probe_budget))), 100 * cfg.max_probe)
 
     def _planned(self, ids, states):
         """(alphas, plan, probe floor) for this step: the plan is choose()'s (choice,
@@ -530,7 +389,7 @@ class AdaptivePolicy:
         alphas = self._alphas(states)
         plan = self._asking_can_pay(alphas) if self.costs.draft_free else self._plan(alphas)
         out = (alphas, plan, self.probe_interval(len(states)))
-        self._memo = (ids, key, self.replan_every - 1, out)
+        self._memo = (ids, key, self.config.replan_every - 1, out)
         return out
 
     def choose(self, requests) -> list[int]:
@@ -555,7 +414,7 @@ class AdaptivePolicy:
             for i, s in enumerate(states):
                 if choice[i] == 0 and 2 * s.idle >= max(s.probe_every, floor):
                     choice[i], s.probing = 1, True
-        if self.costs.halts:  # rows that draft may go up to max_k; halt() stops each one
+        if self.halts:  # rows that draft may go up to max_k; halt() stops each one
             choice = [self.max_k if c > 0 and not s.probing else c for c, s in zip(choice, states)]
         return choice
 
@@ -569,15 +428,17 @@ class AdaptivePolicy:
         t_pass, t_draft = self._pass_costs(B)
         ask = self.max_k * float(t_draft[B - 1])
         rate = E.sum(0) / (t_pass + ask)  # [K+1]: every row verifies j drafts
-        return bool(rate[1:].max() > B / float(t_pass[0]) * (1.0 + self.min_gain))
+        return bool(rate[1:].max() > B / float(t_pass[0]) * (1.0 + self.config.min_gain))
 
     def trim(self, requests, found: list[int]) -> list[int]:
         """For a model-free drafter, after proposing and before verifying: how many of the
         drafts found per row to verify. The drafts found are the drafter's own output, not
         the target's verdict, so deciding on them keeps the policy non-anticipating. Every
         row keeps up to j drafts, for the j that maximises expected tokens per second of a
-        pass over j + 1 tokens per row (rows without a match cost that pass nothing more)."""
-        if not self.costs.draft_free:
+        pass over j + 1 tokens per row (rows without a match cost that pass nothing more).
+        The engine calls it only where self.trims (a model-free drafter's cost model); for
+        any other drafter it keeps what was found."""
+        if not self.trims:
             return list(found)
         states = [self._state(r) for r in requests]
         B, J = len(states), min(max(found, default=0), self.max_k)
@@ -598,7 +459,7 @@ class AdaptivePolicy:
         t_pass = self._pass_costs(B)[0][: J + 1]
         rate = tokens / t_pass
         j = int(np.argmax(rate))
-        if rate[j] <= rate[0] * (1.0 + self.min_gain):
+        if rate[j] <= rate[0] * (1.0 + self.config.min_gain):
             j = 0
         due = [b for b, s in enumerate(states) if f[b] > 0 and s.idle >= max(s.probe_every, floor)]
         for s in states:
@@ -610,6 +471,13 @@ class AdaptivePolicy:
         return [int(min(fb, j)) for fb in f]
 
     def observe(self, requests, k, accepted) -> None:
+        """The step's outcome: k[b] the drafts asked of row b as the engine settled them
+        (where halt() stopped the row, or what trim() kept of the drafts found: then never
+        more than were drafted), accepted[b] how many of them the target accepted. A row
+        with k[b] = 0 was idle (nothing asked, or trim() kept nothing); a row that drafted
+        records positions 1..accepted[b] as accepted and the next one, if k[b] reached it,
+        as rejected."""
+        cfg = self.config
         self._emitted = (len(requests), sum(accepted) + len(requests))
         for r, kb, ab in zip(requests, k, accepted):
             st = self._state(r)
@@ -623,26 +491,20 @@ class AdaptivePolicy:
             n = min(ab + (1 if ab < kb else 0), self.max_k)
             seen = np.zeros(n)
             seen[:ab] = 1.0
-            st.s *= 1.0 - self.decay  # forget a little per step drafted
-            st.n *= 1.0 - self.decay
+            st.s *= 1.0 - cfg.decay  # forget a little per step drafted
+            st.n *= 1.0 - cfg.decay
             st.s[:n] += seen
             st.n[:n] += 1.0
-            self.gs *= self.global_keep
-            self.gn *= self.global_keep
+            self.gs *= cfg.global_keep
+            self.gn *= cfg.global_keep
             self.gs[:n] += seen
             self.gn[:n] += 1.0
             conf = self._conf.pop(r.request_id, None)
             if conf:  # the confidence calibration: drafts tried, accepted or not
-                idx = _conf_bin(conf[:n])
-                keep = self.conf_keep ** len(idx)
-                self.cs *= keep
-                self.cn *= keep
-                np.add.at(self.cs, idx, seen[:len(idx)])
-                np.add.at(self.cn, idx, 1.0)
-                self._curve = None
+                self.calibration.record(conf[:n], seen)
             if st.probing:
-                st.probe_every = (self.min_probe if ab > 0
-                                  else min(2 * st.probe_every, self.max_probe))
+                st.probe_every = (cfg.min_probe if ab > 0
+                                  else min(2 * st.probe_every, cfg.max_probe))
             st.idle = 0
         for r in requests:
             if r.finished:

@@ -89,7 +89,7 @@ class ServerState:
         self.config = config
         self.k = engine.policy.max_k if engine.drafter is not None else 0
         # "adaptive" (k is a cap) or "fixed"
-        self.policy = getattr(engine.policy.inner, "name", "fixed") if self.k > 0 else "none"
+        self.policy = engine.policy.name if self.k > 0 else "none"
         self.rule = engine.config.rule
         self.lossy = engine.config.lossy and self.k > 0
         self.max_len = engine.config.max_len

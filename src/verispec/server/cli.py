@@ -113,6 +113,7 @@ def build_state(args, api_key: str | None = None):
     from ..engine import Engine, EngineConfig
     from ..models import load_model
     from ..policy import make_policy, resolve_k
+    from ..policy.costs import CostCache
     from .app import ServerConfig, ServerState
     from .worker import PerRequestPolicy
 
@@ -122,7 +123,9 @@ def build_state(args, api_key: str | None = None):
     target, tok = loaded.model, loaded.tokenizer
     max_len = min(args.max_len, target.config.max_position_embeddings)
     drafter = make_drafter(args.draft, target, tok, max_rows=args.max_batch, max_len=max_len + args.k + 2)
-    policy = PerRequestPolicy(make_policy(args.policy, target, drafter, args.max_batch, args.k))
+    # the cost model is measured once per machine and configuration, then read from the cache
+    policy = PerRequestPolicy(make_policy(args.policy, target, drafter, args.max_batch, args.k,
+                                          cost_cache=CostCache.default()))
     engine = Engine(target, drafter, policy, EngineConfig(max_batch=args.max_batch, max_len=max_len,
                                                           rule=args.verify))
     config = ServerConfig(model_name=args.served_model_name or args.target, api_key=api_key,
