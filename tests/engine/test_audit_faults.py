@@ -9,22 +9,9 @@ import pytest
 
 from tests.audit_tiny import one_thread, tiny_audit, tiny_models
 from verispec.audit.report import write_reports
-from verispec.engine.faults import FAULTS
+from verispec.engine.faults import EXPECTED_CHECK, FAULTS
 
-# the check that must catch each fault (others may fail too)
-CAUGHT_BY = {
-    "rollback-off-by-one": "equivalence",
-    "positions-not-realigned": "equivalence",
-    "residual-not-normalised": "distribution",  # only visible when sampling (temperature > 0)
-    "draft-no-catchup": "drafter-consistency",  # output stays exact; only the proposals go stale
-    "row-leak": "equivalence",
-    # issue 15: faults the distribution check's id-ordered PIT alone passed end to end
-    "relaxed-acceptance": "distribution",
-    "recovered-from-p": "distribution",
-    "bonus-previous-position": "distribution",
-    "keyed-noise-misaligned": "seeded",  # same seed, same bytes: only the seeded check sees it
-    "stop-only-at-run-end": "stopping",
-}
+CAUGHT_BY = EXPECTED_CHECK  # the check that must catch each fault (others may fail too)
 CHECKS = ["lossy-rule", "equivalence", "distribution", "seeded", "stopping", "drafter-consistency", "corruption", "slices",
           "load", "record"]
 
@@ -100,8 +87,9 @@ def _seams():
     from verispec.models import llama
     from verispec.verify import rules
     return [inspect.getattr_static(core.Engine, "_committed_length"),
-            inspect.getattr_static(core.Engine, "_pending_tokens"), llama._positions,
-            rules.sample_from_probs, inspect.getattr_static(draft_model.DraftModelDrafter, "_unseen")]
+            inspect.getattr_static(core.Engine, "_pending_tokens"), inspect.getattr_static(core.Engine, "_append"),
+            llama._positions, core.keyed_gumbel, rules.sample_from_probs, rules.RULES,
+            inspect.getattr_static(draft_model.DraftModelDrafter, "_unseen")]
 
 
 SEAMS = _seams()

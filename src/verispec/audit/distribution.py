@@ -79,6 +79,18 @@ def _mechanisms(r: Request, p: torch.Tensor):
     return calib, recovered, bonus
 
 
+def _calibration_bins(calib: list[tuple[float, int]], n_bins: int = 10) -> list[dict]:
+    """Verified drafts binned by their exact acceptance a: mean a against the share kept
+    (on the diagonal under the null), for the report's calibration plot."""
+    out = []
+    for lo in range(n_bins):
+        sel = [(a, k) for a, k in calib if lo / n_bins <= a < (lo + 1) / n_bins or (lo == n_bins - 1 and a == 1.0)]
+        if sel:
+            out.append({"lo": lo / n_bins, "n": len(sel), "mean_a": sum(a for a, _ in sel) / len(sel),
+                        "kept_rate": sum(k for _, k in sel) / len(sel)})
+    return out
+
+
 def distribution_check(ctx: AuditContext) -> CheckResult:
     cfg, sizes = ctx.config, ctx.config.sizes
     max_new = sizes.distribution_max_new
@@ -126,13 +138,13 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     m = len(results) + (calib_res is not None)
     alpha_each = ALPHA / m
     tests = [{"test": name, "kind": "KS, PIT over descending p", "statistic": t.ks_statistic, "n": t.n,
-              "p_value": t.p_value, "alpha": alpha_each, "passed": t.passed(alpha_each)}
+              "p_value": t.p_value, "alpha": alpha_each, "passed": t.passed(alpha_each), "histogram": t.histogram}
              for name, t in results.items()]
     if calib_res is not None:
         tests.append({"test": "calibration", "kind": "z, kept vs min(1, p/q)", "statistic": calib_res.z,
                       "n": calib_res.n, "p_value": calib_res.p_value, "alpha": alpha_each,
                       "passed": calib_res.passed(alpha_each), "kept": calib_res.kept,
-                      "expected": calib_res.expected})
+                      "expected": calib_res.expected, "bins": _calibration_bins(calib)})
     verified = calib_res.n if calib_res is not None else 0
     drafted = sum(r.stats.drafted for r in reqs)
     accepted = sum(r.stats.accepted for r in reqs)

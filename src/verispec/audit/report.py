@@ -121,20 +121,58 @@ def plot_pngs(report: dict) -> dict[str, bytes]:
     save(fig, "equivalence")
 
     d = _check(report, "distribution")
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    if d:
-        f = d["figures"]
-        hist = f["histogram"]
-        width = 1 / len(hist)
-        ax.bar([i * width for i in range(len(hist))], hist, width=width, align="edge",
-               color="#1565c0" if d["passed"] else "#c62828", edgecolor="white")
-        expect = f["n"] / len(hist)
-        sd = (f["n"] * width * (1 - width)) ** 0.5
-        ax.axhline(expect, color="k", lw=1)
-        ax.axhspan(expect - 2 * sd, expect + 2 * sd, color="k", alpha=0.08)
-        ax.set_title(f"KS p = {f['p_value']:.3g}, n = {f['n']}", fontsize=9)
-    ax.set_xlabel("u = F(x-) + U p(x)")
-    ax.set_ylabel("tokens")
+    tests = {t["test"]: t for t in (d["figures"].get("tests") or [])} if d else {}
+    if tests:  # one panel per test family: three PIT histograms and the calibration curve
+        fig, axes = plt.subplots(2, 2, figsize=(7.5, 5.2))
+        for ax, name in zip(axes.flat[:3], ("pit", "recovered", "bonus")):
+            t = tests.get(name)
+            if t is None or not t.get("histogram"):
+                ax.text(0.5, 0.5, f"{name}: not tested", ha="center", va="center", fontsize=9)
+                ax.set_axis_off()
+                continue
+            hist = t["histogram"]
+            width = 1 / len(hist)
+            ax.bar([i * width for i in range(len(hist))], hist, width=width, align="edge",
+                   color="#1565c0" if t["passed"] else "#c62828", edgecolor="white")
+            expect, sd = t["n"] / len(hist), (t["n"] * width * (1 - width)) ** 0.5
+            ax.axhline(expect, color="k", lw=1)
+            ax.axhspan(expect - 2 * sd, expect + 2 * sd, color="k", alpha=0.08)
+            ax.set_title(f"{name}: KS p = {t['p_value']:.3g}, n = {t['n']}", fontsize=8)
+            ax.set_xlabel("u (CDF over descending p)", fontsize=8)
+            ax.tick_params(labelsize=7)
+        ax = axes.flat[3]
+        t = tests.get("calibration")
+        if t is not None and t.get("bins"):
+            bins = t["bins"]
+            ax.plot([0, 1], [0, 1], color="k", lw=1)
+            ax.scatter([b["mean_a"] for b in bins], [b["kept_rate"] for b in bins],
+                       s=[8 + 40 * b["n"] / max(x["n"] for x in bins) for b in bins],
+                       color="#1565c0" if t["passed"] else "#c62828")
+            ax.set_title(f"calibration: z = {t['statistic']:+.2f}, p = {t['p_value']:.3g}, n = {t['n']}", fontsize=8)
+            ax.set_xlabel("exact acceptance min(1, p/q)", fontsize=8)
+            ax.set_ylabel("kept", fontsize=8)
+            ax.set_xlim(0, 1.02)
+            ax.set_ylim(0, 1.02)
+            ax.tick_params(labelsize=7)
+        else:
+            ax.text(0.5, 0.5, "calibration: no verified drafts", ha="center", va="center", fontsize=9)
+            ax.set_axis_off()
+        fig.tight_layout()
+    else:
+        fig, ax = plt.subplots(figsize=(6, 3.4))
+        if d:
+            f = d["figures"]
+            hist = f["histogram"]
+            width = 1 / len(hist)
+            ax.bar([i * width for i in range(len(hist))], hist, width=width, align="edge",
+                   color="#1565c0" if d["passed"] else "#c62828", edgecolor="white")
+            expect = f["n"] / len(hist)
+            sd = (f["n"] * width * (1 - width)) ** 0.5
+            ax.axhline(expect, color="k", lw=1)
+            ax.axhspan(expect - 2 * sd, expect + 2 * sd, color="k", alpha=0.08)
+            ax.set_title(f"KS p = {f['p_value']:.3g}, n = {f['n']}", fontsize=9)
+        ax.set_xlabel("u = F(x-) + U p(x)")
+        ax.set_ylabel("tokens")
     save(fig, "pit")
 
     s = _check(report, "slices")

@@ -23,6 +23,20 @@ FAULTS = {
     "stop-only-at-run-end": "a stop token is honoured only as the last token of a step's emitted run",
 }
 
+# the audit check that is meant to catch each fault (others may fail too)
+EXPECTED_CHECK = {
+    "rollback-off-by-one": "equivalence",
+    "positions-not-realigned": "equivalence",
+    "residual-not-normalised": "distribution",  # only visible when sampling (temperature > 0)
+    "draft-no-catchup": "drafter-consistency",  # output stays exact; only the proposals go stale
+    "row-leak": "equivalence",
+    "relaxed-acceptance": "distribution",
+    "recovered-from-p": "distribution",
+    "bonus-previous-position": "distribution",
+    "keyed-noise-misaligned": "seeded",  # same seed, same bytes: only the seeded check sees it
+    "stop-only-at-run-end": "stopping",
+}
+
 
 def _faulty_rejection(fault: str):
     """Rejection sampling with one of three mistakes of the kind the audit must catch end to

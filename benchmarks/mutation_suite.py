@@ -1,0 +1,86 @@
+"""The audit's mutation suite: run `verispec audit --quick` once per fault of
+engine/faults.py (and per drafter), plus the correct engine on several seeds, and check
+that every fault fails the audit (naming a check) and the correct engine passes.
+
+    python3 benchmarks/mutation_suite.py                        # default drafter (lookup)
+    python3 benchmarks/mutation_suite.py --drafts lookup,layerskip:20 --seeds 3
+    python3 benchmarks/mutation_suite.py --faults row-leak,recovered-from-p --json out.json
+
+Each audit is a subprocess of the real CLI (what a user runs), one at a time (2 cores).
+Exit status 1 if a fault passes or the correct engine fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from verispec.engine.faults import EXPECTED_CHECK, FAULTS
+
+
+
+def audit(draft: str, fault: str | None, seed: int, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "verispec.cli", "audit", "--quick", "--draft", draft, "--seed", str(seed),
+               "--out", out, "--no-progress", *extra]
+        if fault is not None and fault != "typical-lossy":
+            cmd += ["--inject-fault", fault]
+        if fault == "typical-lossy":
+            cmd += ["--verify", "typical-lossy"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        secs = time.perf_counter() - t0
+        path = Path(out) / "report.json"
+        if not path.exists():
+            return {"draft": draft, "fault": fault, "seed": seed, "verdict": "error", "failed": [],
+                    "seconds": secs, "stderr": proc.stderr[-2000:]}
+        rep = json.loads(path.read_text())
+    return {"draft": draft, "fault": fault, "seed": seed, "verdict": rep["verdict"], "failed": rep["failed_checks"],
+            "seconds": round(secs, 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafts", default="lookup", help="comma-separated drafter specs")
+    ap.add_argument("--faults", default=",".join(list(FAULTS) + ["typical-lossy"]),
+                    help="comma-separated fault names (typical-lossy: the lossy rule)")
+    ap.add_argument("--seeds", type=int, default=1, help="correct-engine audits per drafter (seeds 0..N-1)")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("extra", nargs="*", help="more `verispec audit` arguments, after --")
+    args = ap.parse_args()
+    faults = [f for f in args.faults.split(",") if f]
+    unknown = [f for f in faults if f not in FAULTS and f != "typical-lossy"]
+    if unknown:
+        ap.error(f"unknown faults: {', '.join(unknown)}; faults: {', '.join(FAULTS)}")
+    from tqdm import tqdm
+    jobs = [(d, None, s) for d in args.drafts.split(",") for s in range(args.seeds)]
+    jobs += [(d, f, 0) for d in args.drafts.split(",") for f in faults]
+    rows = []
+    for d, f, s in tqdm(jobs, desc="audits", unit="audit"):
+        rows.append(audit(d, f, s, args.extra))
+        r = rows[-1]
+        tqdm.write(f"{d:14s} {str(f or 'none (correct)'):26s} seed {s}: {r['verdict'].upper():5s} "
+                   f"{','.join(r['failed']) or '-'} ({r['seconds']:.0f} s)")
+    bad = []
+    print(f"\n| drafter | fault | expected check | verdict | failed checks | s |\n|---|---|---|---|---|---|")
+    for r in rows:
+        want = "none" if r["fault"] is None else ("lossy-rule" if r["fault"] == "typical-lossy"
+                                                  else EXPECTED_CHECK.get(r["fault"], "?"))
+        ok = r["verdict"] == "pass" if r["fault"] is None else (r["verdict"] == "fail")
+        if not ok:
+            bad.append(r)
+        print(f"| {r['draft']} | {r['fault'] or 'none (correct)'} | {want} | {r['verdict']} | "
+              f"{', '.join(r['failed']) or '-'} | {r['seconds']:.0f} |")
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} audits gave the right verdict")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
