@@ -18,7 +18,7 @@ V = 32
 EMBED_SCALE = 10.0
 
 TINY_SIZES = AuditSizes("tiny", prompts_per_slice=None, max_new_tokens=24, distribution_tokens=3000,
-                        distribution_max_new=60, short_context=12,
+                        distribution_max_new=60, seeded_prompts=None, seeded_max_new=24, short_context=12,
                         long_context=48, long_max_batch=None, load_rounds=1, load_steps=2)
 
 

@@ -28,6 +28,8 @@ class AuditSizes:
     max_new_tokens: int  # greedy runs (equivalence, consistency, corruption, slices)
     distribution_tokens: int  # at least this many sampled tokens go into the PIT test
     distribution_max_new: int  # tokens per sampled request (fixed length: EOS ignored)
+    seeded_prompts: int | None  # prompts of the seeded check (None: every audited prompt)
+    seeded_max_new: int  # tokens per seeded request
     short_context: int  # load sweep prompt lengths, in tokens
     long_context: int
     long_max_batch: int | None  # long context only at batch sizes <= this (None: all)
@@ -44,13 +46,13 @@ class AuditSizes:
     @classmethod
     def quick(cls) -> "AuditSizes":
         return cls("quick", prompts_per_slice=2, max_new_tokens=40, distribution_tokens=2048,
-                   distribution_max_new=128, short_context=100,
+                   distribution_max_new=128, seeded_prompts=8, seeded_max_new=24, short_context=100,
                    long_context=1000, long_max_batch=4, load_rounds=2, load_steps=3)
 
     @classmethod
     def full(cls) -> "AuditSizes":
         return cls("full", prompts_per_slice=None, max_new_tokens=48, distribution_tokens=6144,
-                   distribution_max_new=96, short_context=100,
+                   distribution_max_new=96, seeded_prompts=None, seeded_max_new=48, short_context=100,
                    long_context=1000, long_max_batch=16, load_rounds=2, load_steps=4)
 
 
@@ -93,6 +95,13 @@ class AuditConfig:
             raise ValueError(f"prompt_format must be auto, chat or raw, got {self.prompt_format!r}")
         if self.inject_fault is not None and self.inject_fault not in FAULTS:
             raise ValueError(f"unknown fault {self.inject_fault!r}; faults: {', '.join(FAULTS)}")
+
+    @property
+    def forced_k(self) -> int:
+        """The fixed k of the runs that force drafting beside an adaptive policy: enough
+        drafts per step to exercise every speculative path, at most 4 (k = 8, the adaptive
+        cap, would make each forced run cost twice as much for nothing the checks need)."""
+        return min(self.k, 4)
 
     @property
     def greedy_batch_sizes(self) -> tuple[int, ...]:

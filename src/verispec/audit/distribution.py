@@ -102,12 +102,12 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     batch = min(max(cfg.batch_sizes), n_req)
     max_len = max(map(len, prompt_of)) + max_new
     forced = cfg.policy != "fixed"  # the deployed policy may draft little: force drafting too
-    halves = [(reqs[: n_req // 2], "deployed policy"), (reqs[n_req // 2:], f"fixed k={cfg.k}")] if forced \
-        else [(reqs, f"fixed k={cfg.k}")]
+    halves = [(reqs[: n_req // 2], "deployed policy", None),
+              (reqs[n_req // 2:], f"fixed k={cfg.forced_k}", FixedK(cfg.forced_k))] if forced \
+        else [(reqs, f"fixed k={cfg.k}", None)]
     sample_s = 0.0
-    for part, label in halves:
+    for part, label, policy in halves:
         if part:
-            policy = FixedK(cfg.k) if label.startswith("fixed") else None
             sample_s += _sample(ctx, part, min(batch, len(part)), max_len, policy,
                                 f"T={cfg.temperature:g}, {label}, b={min(batch, len(part))}")
     # teacher-force the target (outside any fault) for its exact p at every emitted position

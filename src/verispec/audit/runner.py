@@ -182,8 +182,9 @@ def greedy_runs(ctx: AuditContext) -> GreedyRuns:
     if ctx.config.policy != "fixed":  # the deployed policy may draft little: force drafting too
         b = max(ctx.config.greedy_batch_sizes)
         reqs = [Request(ids, params) for ids in ctx.prompt_ids]
-        with ctx.progress.stage(f"greedy: speculative, fixed k={ctx.config.k}, b={b}", n) as bar, ctx.fault():
-            ctx.engine(min(b, n), max_len, policy=FixedK(ctx.config.k)).run(reqs, on_finish=lambda r: bar.advance())
+        k = ctx.config.forced_k
+        with ctx.progress.stage(f"greedy: speculative, fixed k={k}, b={b}", n) as bar, ctx.fault():
+            ctx.engine(min(b, n), max_len, policy=FixedK(k)).run(reqs, on_finish=lambda r: bar.advance())
         forced = (b, reqs)
     return GreedyRuns(reference, spec, time.perf_counter() - t0, forced)
 
@@ -201,7 +202,7 @@ def equivalence_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
     per_batch, rows, failures = [], [], []
     configs = [(b, reqs, ctx.config.policy) for b, reqs in sorted(runs.speculative.items())]
     if runs.forced is not None:
-        configs.append((runs.forced[0], runs.forced[1], f"fixed k={ctx.config.k}"))
+        configs.append((runs.forced[0], runs.forced[1], f"fixed k={ctx.config.forced_k}"))
     total = sum(len(reqs) for _, reqs, _ in configs)
     with ctx.progress.stage("equivalence: margins", total) as bar:
         for b, reqs, policy in configs:

@@ -35,22 +35,30 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
         return CheckResult("seeded", True, f"not applicable: rule {cfg.rule!r} makes no promise for seeded "
                            "sampled requests", {"applicable": False, "rule": cfg.rule}, informational=True)
     t0 = time.perf_counter()
-    max_new = cfg.sizes.max_new_tokens
-    n = len(ctx.prompt_ids)
+    max_new = cfg.sizes.seeded_max_new
+    # every slice keeps a prompt: the first of each slice, then the second of each, ...
+    rank, seen = [], {}
+    for p in ctx.prompts:
+        rank.append(seen.get(p.slice, 0))
+        seen[p.slice] = rank[-1] + 1
+    order = sorted(range(len(ctx.prompt_ids)), key=lambda i: (rank[i], i))
+    chosen = order[:cfg.sizes.seeded_prompts] if cfg.sizes.seeded_prompts else order
+    prompt_ids = [ctx.prompt_ids[i] for i in chosen]
+    n = len(prompt_ids)
     sampling = [SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
                                seed=cfg.seed * 7_919 + 104_729 * i) for i in range(n)]
 
     def requests():
         return [Request(ids, GenerationParams(max_new_tokens=max_new, sampling=sp, stop_token_ids=ctx.stops))
-                for ids, sp in zip(ctx.prompt_ids, sampling)]
+                for ids, sp in zip(prompt_ids, sampling)]
 
-    max_len = max(map(len, ctx.prompt_ids)) + max_new
+    max_len = max(map(len, prompt_ids)) + max_new
     plain = requests()
     with ctx.progress.stage(f"seeded: plain, T={cfg.temperature:g}, b=1", n) as bar:
         ctx.engine(1, max_len, speculative=False, rule="rejection").run(plain, on_finish=lambda r: bar.advance())
     configs = [(b, None, cfg.policy) for b in cfg.greedy_batch_sizes]
     if cfg.policy != "fixed":
-        configs.append((max(cfg.greedy_batch_sizes), FixedK(cfg.k), f"fixed k={cfg.k}"))
+        configs.append((max(cfg.greedy_batch_sizes), FixedK(cfg.forced_k), f"fixed k={cfg.forced_k}"))
     per_config, rows, failures = [], [], []
     allowance = 0 if cfg.batch_invariant else near_tie_allowance(n)
     for b, policy, label in configs:
@@ -59,10 +67,10 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
             ctx.engine(min(b, n), max_len, policy=policy).run(reqs, on_finish=lambda r: bar.advance())
         counts = {"identical": 0, "near-tie": 0, "divergence": 0}
         for i, (ref, got) in enumerate(zip(plain, reqs)):
-            c = compare(ctx.prompt_ids[i], ref.output_ids, got.output_ids, _keyed_margin(ctx, sampling[i]))
+            c = compare(prompt_ids[i], ref.output_ids, got.output_ids, _keyed_margin(ctx, sampling[i]))
             counts[c.verdict] += 1
             if c.verdict != "identical":
-                rows.append({"batch": b, "policy": label, "id": ctx.prompts[i].id, **c.to_dict()})
+                rows.append({"batch": b, "policy": label, "id": ctx.prompts[chosen[i]].id, **c.to_dict()})
         ok = counts["divergence"] == 0 and n - counts["identical"] <= allowance
         drafted = sum(r.stats.drafted for r in reqs)
         per_config.append({"batch": b, "policy": label, "prompts": n, **counts, "drafted": drafted,

@@ -55,7 +55,7 @@ def stopping_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
                            {"cases": 0})
     configs = [(None, cfg.policy)]
     if cfg.policy != "fixed":
-        configs.append((FixedK(cfg.k), f"fixed k={cfg.k}"))
+        configs.append((FixedK(cfg.forced_k), f"fixed k={cfg.forced_k}"))
     max_len = max(map(len, ctx.prompt_ids)) + max(p.max_new_tokens for _, p, _, _ in cases)
     per_config, bad = [], []
     for policy, label in configs:
