@@ -16,7 +16,7 @@ from verispec.engine import Engine, EngineConfig, GenerationParams, Request
 from verispec.policy import FixedK
 from verispec.policy.adaptive import AdaptivePolicy, CostModel
 from verispec.sampling import SamplingParams
-from tests.tiny import native_from_hf, tiny_hf
+from tests.engine.test_coupled import models  # noqa: F401  (the fixture: a peaked target and a noisy draft)
 
 PROMPTS = _prompts(32, seed=21)
 MAX_NEW = [5 + (i * 7) % 19 for i in range(32)]
@@ -24,19 +24,6 @@ MAX_NEW = [5 + (i * 7) % 19 for i in range(32)]
 # halts=True: rows also stop on the drafter's confidence
 PAYING = CostModel.from_total_tokens((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (0.05, 0.08))
 HALTING = CostModel.from_total_tokens((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (0.05, 0.08), halts=True)
-
-
-@pytest.fixture(scope="module")
-def models():
-    hf = tiny_hf("qwen2", seed=5, vocab=V)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(3.0)  # peaked distributions, so drafts are often right
-    noisy = tiny_hf("qwen2", seed=5, vocab=V)
-    with torch.no_grad():
-        noisy.lm_head.weight.mul_(3.0)
-        for p in noisy.parameters():
-            p.add_(torch.randn_like(p) * 0.03)
-    return native_from_hf(hf), native_from_hf(noisy)
 
 
 def _sampling(i, temperature):
