@@ -13,17 +13,34 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.layerskip import LayerSkipDrafter
 from verispec.drafters.lookup import PromptLookupDrafter
 from verispec.engine import Engine, EngineConfig, GenerationParams, Request
-from verispec.policy import FixedK
+from verispec.policy import AdaptiveConfig, FixedK
 from verispec.policy.adaptive import AdaptivePolicy, CostModel
 from verispec.sampling import SamplingParams
-from tests.engine.test_coupled import models  # noqa: F401  (the fixture: a peaked target and a noisy draft)
+from tests.tiny import native_from_hf, tiny_hf
 
 PROMPTS = _prompts(32, seed=21)
 MAX_NEW = [5 + (i * 7) % 19 for i in range(32)]
 # a cost model where drafting pays, so the adaptive policy drafts and varies k per row;
 # halts=True: rows also stop on the drafter's confidence
-PAYING = CostModel.from_total_tokens((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (0.05, 0.08))
+# for prompt lookup (draft_free, as measure_costs reports it) proposals cost next to
+# nothing and the policy starts out sure of them: at T > 0 on these random models lookup's
+# drafts are rarely kept, and a policy that priced them honestly would soon stop asking
+PAYING = CostModel.from_total_tokens((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (1e-4, 1e-4), draft_free=True)
+EAGER = AdaptiveConfig(prior=1.0, min_gain=0.0)
 HALTING = CostModel.from_total_tokens((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (0.05, 0.08), halts=True)
+
+
+@pytest.fixture(scope="module")
+def models():
+    hf = tiny_hf("qwen2", seed=5, vocab=V)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(3.0)  # peaked distributions, so drafts are often right
+    noisy = tiny_hf("qwen2", seed=5, vocab=V)
+    with torch.no_grad():
+        noisy.lm_head.weight.mul_(3.0)
+        for p in noisy.parameters():
+            p.add_(torch.randn_like(p) * 0.03)
+    return native_from_hf(hf), native_from_hf(noisy)
 
 
 def _sampling(i, temperature):
@@ -63,7 +80,7 @@ def test_seeded_output_is_independent_of_speculation(models, plain, kind, policy
     if policy == "fixed":
         pol = FixedK(3)
     else:
-        pol = AdaptivePolicy(HALTING if kind != "lookup" else PAYING, max_k=4)
+        pol = AdaptivePolicy(HALTING, max_k=4) if kind != "lookup" else AdaptivePolicy(PAYING, max_k=4, config=EAGER)
     reqs = _run(models[0], d, pol, batch, temperature)
     assert [r.output_ids for r in reqs] == plain[temperature]
     drafted, accepted = sum(r.stats.drafted for r in reqs), sum(r.stats.accepted for r in reqs)
