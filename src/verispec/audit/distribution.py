@@ -3,8 +3,8 @@ audited top-k / top-p / min-p), teacher-force the target on every output for its
 at every emitted position, and test what each mechanism of the rule promises (stats.py):
 
 * **pit**: every emitted token, randomised PIT over descending p, KS test;
-* **calibration**: every verified draft token is kept with probability exactly
-  min(1, p(d)/q(d)) (q from the engine's per-step record; 1 for prompt lookup), z-test;
+* **calibration**: at every verified draft d, the emitted token is d with probability
+  exactly min(1, p(d)/q(d)) (q from the engine's per-step record; 1 for prompt lookup), z-test;
 * **recovered**: tokens emitted in place of a rejected draft follow the residual
   normalise(max(0, p - q)); q at the rejected position is one-hot for prompt lookup
   (p without d) and kept by the engine for a drafter with q, up to REJECTED_Q_BYTES;
@@ -62,7 +62,10 @@ def _mechanisms(r: Request, p: torch.Tensor):
             if j >= p.shape[0]:
                 break
             a = 1.0 if qd[i] <= 0 and float(p[j, drafts[i]]) > 0 else min(1.0, float(p[j, drafts[i]]) / max(qd[i], 1e-300))
-            calib.append((a, int(i < acc)))
+            # kept = the emitted token there is the draft (not the engine's own count of
+            # accepted drafts): a recovered token that may equal d, as one drawn from p
+            # instead of the residual, shows up here
+            calib.append((a, int(r.output_ids[j] == drafts[i])))
             if i == acc:
                 if step in r.stats.rejected_q:
                     res = (p[j] - r.stats.rejected_q[step][:p.shape[-1]].to(p.dtype)).clamp_min(0)
