@@ -53,7 +53,7 @@ def _mechanisms(r: Request, p: torch.Tensor):
     drafts as (a, kept), recovered tokens as (output index, residual [V]) where q at the
     rejected position is known (one-hot, or kept by the engine), bonus output indices."""
     P = len(r.prompt_ids)
-    calib, recovered, bonus = [], [], []
+    calib, recovered, bonus, impossible = [], [], [], 0
     for step, ((n0, drafts, acc, _), qd) in enumerate(zip(r.stats.trace, r.stats.draft_q)):
         if not drafts or qd is None:
             continue
@@ -72,6 +72,9 @@ def _mechanisms(r: Request, p: torch.Tensor):
                 elif qd[i] == 1.0:  # one-hot q: the residual is p without the draft
                     res = p[j].clone()
                     res[drafts[i]] = 0.0
+                    # the residual never gives the rejected draft back (the zero-residual
+                    # guard aside, taken with probability <= RESIDUAL_EPS)
+                    impossible += int(r.output_ids[j] == drafts[i] and float(res.sum()) > 1e-6)
                 else:
                     continue
                 if float(res.sum()) > 1e-6:  # the engine's zero-residual guard samples from p there
@@ -79,7 +82,7 @@ def _mechanisms(r: Request, p: torch.Tensor):
         j = n0 + len(drafts) - P
         if acc == len(drafts) and j < p.shape[0]:
             bonus.append(j)
-    return calib, recovered, bonus
+    return calib, recovered, bonus, impossible
 
 
 def _calibration_bins(calib: list[tuple[float, int]], n_bins: int = 10) -> list[dict]:
@@ -115,7 +118,7 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
                                 f"T={cfg.temperature:g}, {label}, b={min(batch, len(part))}")
     # teacher-force the target (outside any fault) for its exact p at every emitted position
     g = torch.Generator().manual_seed(cfg.seed)
-    us, us_rec, us_bonus, calib = [], [], [], []
+    us, us_rec, us_bonus, calib, impossible = [], [], [], [], 0
     with ctx.progress.stage("distribution: teacher forcing", n_req) as bar:
         for r in reqs:
             P = len(r.prompt_ids)
@@ -123,8 +126,9 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
             p = logits_to_probs(logits, r.params.sampling)  # [n_out,V]
             out = torch.tensor(r.output_ids)
             us.append(randomized_pit(p, out, g))
-            c, rec, bonus = _mechanisms(r, p)
+            c, rec, bonus, imp = _mechanisms(r, p)
             calib += c
+            impossible += imp
             if rec:
                 idx = torch.tensor([j for j, _ in rec])
                 us_rec.append(randomized_pit(torch.stack([res for _, res in rec]), out[idx], g))  # [n_rec]
@@ -148,6 +152,10 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
                       "n": calib_res.n, "p_value": calib_res.p_value, "alpha": alpha_each,
                       "passed": calib_res.passed(alpha_each), "kept": calib_res.kept,
                       "expected": calib_res.expected, "bins": _calibration_bins(calib)})
+    if impossible:  # probability 0 under the null: no correction needed, no false alarm
+        tests.append({"test": "recovered-is-draft", "kind": "count, recovered token == rejected draft (q one-hot)",
+                      "statistic": float(impossible), "n": len(us_rec) and sum(len(u) for u in us_rec),
+                      "p_value": 0.0, "alpha": alpha_each, "passed": False})
     verified = calib_res.n if calib_res is not None else 0
     drafted = sum(r.stats.drafted for r in reqs)
     accepted = sum(r.stats.accepted for r in reqs)
