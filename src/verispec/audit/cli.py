@@ -49,7 +49,7 @@ def add_audit_parser(sub) -> None:
     a.add_argument("--k", type=_positive_int, default=None,
                    help="draft tokens per step (the most, with the adaptive policy); "
                         "default 8 with --policy adaptive, 4 with fixed")
-    from ..server.endpoint_audit import add_endpoint_arguments
+    from .endpoint.runner import add_endpoint_arguments
     add_endpoint_arguments(a)
     a.add_argument("--batch-invariant", action="store_true",
                    help="run the target in batch-invariant mode: greedy output must then match "
@@ -123,7 +123,7 @@ def config_from_args(args):
 
 def cmd_audit(args) -> int:
     if args.endpoint:  # audit any OpenAI-compatible server instead of an in-process engine
-        from ..server.endpoint_audit import cmd_endpoint_audit
+        from .endpoint.runner import cmd_endpoint_audit
         return cmd_endpoint_audit(args)
     import torch
 

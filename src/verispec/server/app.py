@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 
 from ..engine import GenerationParams
 from ..sampling import SamplingParams
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .protocol import (
     ChatRequest,
@@ -386,7 +387,7 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
     async def metrics(request: Request):
         if not state.config.metrics_public:
             state.authorize(request)
-        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request):

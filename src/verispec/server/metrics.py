@@ -1,9 +1,11 @@
-"""Server metrics in the Prometheus text format (no client library needed).
+"""Server metrics, exposed in the Prometheus text format by prometheus_client.
 
 Counters and the step histogram are written by the engine thread and the HTTP
-middleware and read by /metrics; one lock guards them all. Speculative-decoding
-counters follow vLLM's names with a ``verispec_`` prefix, so a dashboard or the
-endpoint audit reads verispec, vLLM and SGLang the same way.
+middleware and read by /metrics; one lock guards them all, and a custom collector
+turns one consistent snapshot of them into metric families (a registry per server,
+never the process-global one, so several servers in one process do not mix).
+Speculative-decoding counters follow vLLM's names with a ``verispec_`` prefix, so a
+dashboard or the endpoint audit reads verispec, vLLM, SGLang and llama.cpp the same way.
 """
 
 from __future__ import annotations
@@ -11,19 +13,12 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-def _labels(**kv) -> str:
-    if not kv:
-        return ""
-    inner = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                     for k, v in kv.items())
-    return "{" + inner + "}"
-
-
-def _num(x) -> str:
-    return repr(float(x)) if isinstance(x, float) else str(x)
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
 class Metrics:
@@ -48,6 +43,8 @@ class Metrics:
         self.queue_depth = 0
         self.running = 0
         self.rows_in_use = 0
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
 
     # -- writers -----------------------------------------------------------------
     def http_response(self, endpoint: str, status: int) -> None:
@@ -99,66 +96,79 @@ class Metrics:
             }
 
     def render(self) -> str:
-        m = {"model_name": self.model_name}
-        out: list[str] = []
+        """The Prometheus text exposition (format 0.0.4: CONTENT_TYPE)."""
+        return generate_latest(self.registry).decode("utf-8")
 
-        def metric(name, kind, help_, samples):
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                out.append(f"{name}{_labels(**labels)} {_num(value)}")
-
+    def families(self) -> list:
+        """All metric families from one locked read of the counters."""
         with self.lock:
-            metric("verispec_info", "gauge", "Server configuration (constant 1).",
-                   [({**m, **self.info}, 1)])
-            metric("verispec_requests_total", "counter", "HTTP responses by endpoint and status code.",
-                   [({**m, "endpoint": e, "status": str(s)}, n) for (e, s), n in sorted(self.http.items())])
-            metric("verispec_request_finish_total", "counter",
-                   "Generation requests that left the engine, by finish reason.",
-                   [({**m, "reason": r}, n) for r, n in sorted(self.finished.items())])
-            metric("verispec_prompt_tokens_total", "counter", "Prompt tokens of requests that left the engine.",
-                   [(m, self.prompt_tokens)])
-            metric("verispec_generation_tokens_total", "counter", "Generated tokens.",
-                   [(m, self.generation_tokens)])
-            metric("verispec_target_passes_total", "counter",
-                   "Target forward passes per row (one per step per running row).",
-                   [(m, self.target_passes)])
-            metric("verispec_spec_decode_num_drafts_total", "counter",
-                   "Row-steps that verified at least one draft token.", [(m, self.num_drafts)])
-            metric("verispec_spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.",
-                   [(m, self.draft_tokens)])
-            metric("verispec_spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
-                   [(m, self.accepted_tokens)])
-            metric("verispec_spec_decode_num_accepted_tokens_per_pos_total", "counter",
-                   "Accepted draft tokens by draft position (0 = first draft).",
-                   [({**m, "position": str(i)}, n) for i, n in enumerate(self.accepted_per_pos)])
-            metric("verispec_spec_decode_num_draft_tokens_per_pos_total", "counter",
-                   "Proposed draft tokens by draft position.",
-                   [({**m, "position": str(i)}, n) for i, n in enumerate(self.drafted_per_pos)])
-            rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-            metric("verispec_spec_decode_acceptance_rate", "gauge",
-                   "Accepted / proposed draft tokens since start (0 when nothing was drafted).", [(m, rate)])
-            mal = self.generation_tokens / self.target_passes if self.target_passes else 0.0
-            metric("verispec_spec_decode_mean_accepted_length", "gauge",
-                   "Generated tokens per target pass since start (1.0 = plain decoding).", [(m, mal)])
-            metric("verispec_spec_decode_acceptance_per_position", "gauge",
-                   "Acceptance rate by draft position (requests that left the engine).",
-                   [({**m, "position": str(i)}, a / d if d else 0.0)
-                    for i, (a, d) in enumerate(zip(self.accepted_per_pos, self.drafted_per_pos))])
-            metric("verispec_num_requests_waiting", "gauge", "Requests queued for a free row (queue depth).",
-                   [(m, self.queue_depth)])
-            metric("verispec_num_requests_running", "gauge", "Requests holding a row of the running batch.",
-                   [(m, self.running)])
-            metric("verispec_cache_rows_in_use", "gauge", "KV-cache rows held (active rows).",
-                   [(m, self.rows_in_use)])
-            name = "verispec_step_duration_seconds"
-            out.append(f"# HELP {name} Wall time of one engine step (all running rows).")
-            out.append(f"# TYPE {name} histogram")
-            for le, n in zip(STEP_BUCKETS, self.step_buckets):
-                out.append(f"{name}_bucket{_labels(**m, le=repr(le))} {n}")
-            out.append(f"{name}_bucket{_labels(**m, le='+Inf')} {self.steps}")
-            out.append(f"{name}_sum{_labels(**m)} {self.step_sum!r}")
-            out.append(f"{name}_count{_labels(**m)} {self.steps}")
-            metric("verispec_step_rows_total", "counter", "Running rows summed over engine steps.",
-                   [(m, self.step_rows_sum)])
-        return "\n".join(out) + "\n"
+            return self._families_locked()
+
+    def _families_locked(self) -> list:
+        m = {"model_name": self.model_name}
+        out: list = []
+
+        def family(cls, name, help_, samples):
+            keys = sorted({k for labels, _ in samples for k in labels} | set(m), key=lambda k: (k != "model_name", k))
+            f = cls(name, help_, labels=keys)
+            for labels, value in samples:
+                f.add_metric([str({**m, **labels}.get(k, "")) for k in keys], value)
+            out.append(f)
+
+        def counter(name, help_, samples):
+            family(CounterMetricFamily, name, help_, samples)
+
+        def gauge(name, help_, samples):
+            family(GaugeMetricFamily, name, help_, samples)
+
+        gauge("verispec_info", "Server configuration (constant 1).", [(self.info, 1)])
+        counter("verispec_requests_total", "HTTP responses by endpoint and status code.",
+                [({"endpoint": e, "status": str(s)}, n) for (e, s), n in sorted(self.http.items())])
+        counter("verispec_request_finish_total", "Generation requests that left the engine, by finish reason.",
+                [({"reason": r}, n) for r, n in sorted(self.finished.items())])
+        counter("verispec_prompt_tokens_total", "Prompt tokens of requests that left the engine.",
+                [({}, self.prompt_tokens)])
+        counter("verispec_generation_tokens_total", "Generated tokens.", [({}, self.generation_tokens)])
+        counter("verispec_target_passes_total", "Target forward passes per row (one per step per running row).",
+                [({}, self.target_passes)])
+        counter("verispec_spec_decode_num_drafts_total", "Row-steps that verified at least one draft token.",
+                [({}, self.num_drafts)])
+        counter("verispec_spec_decode_num_draft_tokens_total", "Draft tokens proposed.", [({}, self.draft_tokens)])
+        counter("verispec_spec_decode_num_accepted_tokens_total", "Draft tokens accepted.",
+                [({}, self.accepted_tokens)])
+        counter("verispec_spec_decode_num_accepted_tokens_per_pos_total",
+                "Accepted draft tokens by draft position (0 = first draft).",
+                [({"position": str(i)}, n) for i, n in enumerate(self.accepted_per_pos)])
+        counter("verispec_spec_decode_num_draft_tokens_per_pos_total", "Proposed draft tokens by draft position.",
+                [({"position": str(i)}, n) for i, n in enumerate(self.drafted_per_pos)])
+        rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+        gauge("verispec_spec_decode_acceptance_rate",
+              "Accepted / proposed draft tokens since start (0 when nothing was drafted).", [({}, rate)])
+        mal = self.generation_tokens / self.target_passes if self.target_passes else 0.0
+        gauge("verispec_spec_decode_mean_accepted_length",
+              "Generated tokens per target pass since start (1.0 = plain decoding).", [({}, mal)])
+        gauge("verispec_spec_decode_acceptance_per_position",
+              "Acceptance rate by draft position (requests that left the engine).",
+              [({"position": str(i)}, a / d if d else 0.0)
+               for i, (a, d) in enumerate(zip(self.accepted_per_pos, self.drafted_per_pos))])
+        gauge("verispec_num_requests_waiting", "Requests queued for a free row (queue depth).",
+              [({}, self.queue_depth)])
+        gauge("verispec_num_requests_running", "Requests holding a row of the running batch.", [({}, self.running)])
+        gauge("verispec_cache_rows_in_use", "KV-cache rows held (active rows).", [({}, self.rows_in_use)])
+        h = HistogramMetricFamily("verispec_step_duration_seconds", "Wall time of one engine step (all running rows).",
+                                  labels=["model_name"])
+        h.add_metric([self.model_name], [(repr(le), n) for le, n in zip(STEP_BUCKETS, self.step_buckets)]
+                     + [("+Inf", self.steps)], self.step_sum)
+        out.append(h)
+        counter("verispec_step_rows_total", "Running rows summed over engine steps.", [({}, self.step_rows_sum)])
+        return out
+
+
+class _Collector:
+    """prometheus_client's custom-collector protocol over a Metrics object."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        return iter(self.metrics.families())

@@ -1,7 +1,7 @@
 """`verispec audit --endpoint URL`: the audit's checks against any OpenAI-compatible server,
 written as the same report files (report.json, report.md, report.html) as the offline audit.
 
-What can be checked from outside, with the client in client_audit.py:
+What can be checked from outside, with the client in client.py:
 * equivalence at temperature 0: every load level (concurrent clients) of the endpoint
   against a non-speculative reference: --reference-endpoint, or, for a verispec server,
   the same server with ``"verispec": {"speculate": false}``; failing both, the endpoint's
@@ -16,7 +16,7 @@ What can be checked from outside, with the client in client_audit.py:
 
 Wiring into `verispec audit` (audit/cli.py): ``add_endpoint_arguments(a)`` in
 add_audit_parser, and at the top of cmd_audit
-``if args.endpoint: from ..server.endpoint_audit import cmd_endpoint_audit; return cmd_endpoint_audit(args)``.
+``if args.endpoint: from .endpoint.runner import cmd_endpoint_audit; return cmd_endpoint_audit(args)``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 
 import httpx
 
-from .client_audit import EndpointConfig, EndpointRun, PromptResult, audit_endpoint, first_divergence, server_kind
+from .client import EndpointConfig, EndpointRun, PromptResult, audit_endpoint, first_divergence, server_kind
 
 WORD = re.compile(r"\w+|[^\w\s]|\s+")
 
@@ -65,9 +65,9 @@ def add_endpoint_arguments(a) -> None:
 
 
 def cmd_endpoint_audit(args) -> int:
-    from ..audit.context import select_prompts
-    from ..audit.report import write_reports
-    from ..audit.suite import load_suite
+    from ..context import select_prompts
+    from ..report import write_reports
+    from ..suite import load_suite
 
     suite = load_suite(args.suite)
     prompts = select_prompts(suite, 2 if getattr(args, "quick", False) else None)
@@ -158,10 +158,10 @@ def _check(name, passed, summary, figures=None, details=None, informational=Fals
 
 
 def _equivalence(run: EndpointRun, refs: list[PromptResult], reference_kind: str) -> dict:
-    from ..audit.equivalence import TIE_MARGIN
-    from ..audit.runner import EXACT_MATCH_MIN
+    from ..equivalence import TIE_MARGIN
+    from ..runner import EXACT_MATCH_MIN
 
-    from .client_audit import _margin_at
+    from .client import _margin_at
     per_batch, rows, failures = [], [], []
     margins_known = any(r.top2_margins for r in refs)
     for level in run.levels:
@@ -207,14 +207,14 @@ def _pseudo_tokens(text: str) -> list[int]:
 
 
 def _signatures(r: PromptResult):
-    from ..audit.corruption import signatures
+    from ..corruption import signatures
     lps = [x for x in (r.token_logprobs or []) if x is not None]
     ppl = math.exp(-sum(lps) / len(lps)) if lps else None
     return signatures(_pseudo_tokens(r.text or ""), r.text or "", r.finish_reason == "stop", ppl)
 
 
 def _corruption(run: EndpointRun, refs: list[PromptResult]) -> dict:
-    from ..audit.corruption import new_signatures
+    from ..corruption import new_signatures
     ref_sigs = [_signatures(r) if r.ok else None for r in refs]
     flagged, per_batch = [], []
     for level in run.levels:
@@ -320,7 +320,7 @@ def _record(run, reference, kind, info, reference_kind, prompts, chat, max_token
     import hashlib
     import json
 
-    from ..audit.record import PACKAGES, _version
+    from ..record import PACKAGES, _version
     digest = hashlib.sha256(json.dumps([[p.id, p.slice, p.prompt] for p in prompts]).encode()).hexdigest()
     drafter = {"spec": info.get("drafter") or "server-side", "name": info.get("drafter") or f"{kind} (server-side)",
                "k": info.get("k", "?"), "policy": f"FixedK({info['k']})" if "k" in info else "unknown",

@@ -5,15 +5,8 @@ import pytest
 
 from tests.server.helpers import LiveServer, make_state, reference_text
 from verispec.audit.suite import SuitePrompt
-from verispec.server.client_audit import (
-    EndpointConfig,
-    audit_endpoint,
-    compare_outputs,
-    first_divergence,
-    parse_prometheus,
-    server_kind,
-    spec_counters,
-)
+from verispec.audit.endpoint.client import EndpointConfig, audit_endpoint, compare_outputs, first_divergence
+from verispec.audit.endpoint.counters import MetricsParseError, parse_prometheus, server_kind, spec_counters
 
 PROMPTS = [SuitePrompt(f"p{i}", "letters" if i % 2 else "words", text) for i, text in enumerate(
     ["hello there", "abc abc abc", "the quick brown fox", "zz", "one, two, three", "lorem ipsum", "q", "xyzzy"])]
@@ -91,7 +84,22 @@ def test_vllm_and_sglang_counters():
 
 
 def test_prometheus_parser_and_divergence():
-    s = parse_prometheus('a_total{x="q\\"uote",position="1"} 2\n# c\nb 1.5e3 1700000000\ngarbage line\n')
+    s = parse_prometheus('# TYPE a_total counter\na_total{x="q\\"uote",position="1"} 2\n# c\nb 1.5e3 1700000000\n')
     assert s == [("a_total", {"x": 'q"uote', "position": "1"}, 2.0), ("b", {}, 1500.0)]
+    with pytest.raises(MetricsParseError, match="unparseable"):
+        parse_prometheus("garbage line\n")
     assert first_divergence("abc", "abc") is None
     assert first_divergence("abc", "abd") == 2 and first_divergence("ab", "abc") == 2
+
+
+def test_server_package_does_not_import_the_audit():
+    """server/ is verispec's own HTTP API: the endpoint audit lives under audit/endpoint/."""
+    import pathlib
+    import re
+
+    import verispec.server
+    root = pathlib.Path(verispec.server.__file__).parent
+    offenders = [f"{p.name}: {line.strip()}" for p in root.glob("*.py") for line in p.read_text().splitlines()
+                 if re.match(r"\s*(from\s+(\.\.|verispec\.)audit|import\s+verispec\.audit)", line)]
+    assert offenders == []
+    assert not (root / "endpoint_audit.py").exists() and not (root / "client_audit.py").exists()

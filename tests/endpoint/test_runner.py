@@ -1,4 +1,4 @@
-"""`verispec audit --endpoint` (server/endpoint_audit.py) against a live tiny verispec
+"""`verispec audit --endpoint` (audit/endpoint/runner.py) against a live tiny verispec
 server: the same report files as the offline audit; it passes a correct server and fails
 one whose answers differ from the reference."""
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.server.helpers import LiveServer, make_state
-from verispec.server.endpoint_audit import add_endpoint_arguments, cmd_endpoint_audit
+from verispec.audit.endpoint.runner import add_endpoint_arguments, cmd_endpoint_audit
 
 SUITE = [{"id": f"s{i}", "slice": ("letters", "words", "mixed")[i % 3], "prompt": p} for i, p in enumerate(
     ["hello there", "abc abc abc abc", "the quick brown fox", "zz", "one, two, three", "lorem ipsum dolor",

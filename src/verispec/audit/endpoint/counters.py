@@ -1,0 +1,153 @@
+"""Speculative-decoding counters in other servers' Prometheus /metrics pages.
+
+Pages are parsed by prometheus_client's parser (text format 0.0.4); the counters of
+vLLM (``vllm:spec_decode_*``), SGLang (``sglang:spec_accept_*``, gauges) and verispec
+(``verispec_spec_decode_*``) are read into one SpecCounters record, and `delta` turns
+two scrapes into the figures of what happened between them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class MetricsParseError(ValueError):
+    """A /metrics page that is not valid Prometheus text."""
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text exposition -> [(sample name, labels, value)] (counters keep their
+    _total suffix). Raises MetricsParseError on a page the parser rejects."""
+    try:
+        return [(s.name, dict(s.labels), float(s.value))
+                for fam in text_string_to_metric_families(text) for s in fam.samples]
+    except (ValueError, TypeError, IndexError, KeyError) as e:
+        raise MetricsParseError(f"unparseable /metrics page: {e}") from None
+
+
+def _total(samples, name: str) -> float | None:
+    vals = [v for n, _, v in samples if n == name]
+    return sum(vals) if vals else None
+
+
+def _mean(samples, name: str) -> float | None:
+    vals = [v for n, _, v in samples if n == name]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _per_position(samples, name: str) -> list[float]:
+    by_pos: dict[int, float] = {}
+    for n, labels, v in samples:
+        if n == name and labels.get("position", "").isdigit():
+            by_pos[int(labels["position"])] = by_pos.get(int(labels["position"]), 0.0) + v
+    return [by_pos.get(i, 0.0) for i in range(max(by_pos) + 1)] if by_pos else []
+
+
+@dataclass
+class SpecCounters:
+    """Speculative-decoding figures a server exposes (counters as they stand; see `delta`).
+
+    mean_acceptance_length follows vLLM: 1 + accepted / drafts (tokens per verification of
+    a row, bonus token included); SGLang reports it directly as a gauge."""
+
+    source: str  # "vllm" | "sglang" | "verispec"
+    drafts: float | None = None  # row-steps that verified drafts
+    draft_tokens: float | None = None
+    accepted_tokens: float | None = None
+    accepted_per_position: list[float] = field(default_factory=list)
+    drafted_per_position: list[float] = field(default_factory=list)
+    generation_tokens: float | None = None
+    target_passes: float | None = None  # verispec only: passes per row, speculative or not
+    accept_length_gauge: float | None = None  # SGLang's own average (server lifetime or window)
+    accept_rate_gauge: float | None = None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        if self.draft_tokens:
+            return self.accepted_tokens / self.draft_tokens
+        return self.accept_rate_gauge
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        if self.drafts:
+            return 1.0 + self.accepted_tokens / self.drafts
+        return self.accept_length_gauge
+
+    @property
+    def tokens_per_target_pass(self) -> float | None:
+        """Generated tokens per target pass (verispec's own figure; 1.0 = plain decoding)."""
+        if self.target_passes:
+            return self.generation_tokens / self.target_passes
+        return None
+
+    @property
+    def acceptance_per_position(self) -> list[float | None]:
+        if self.drafted_per_position:
+            return [a / d if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        if self.drafts:  # vLLM: position i was drafted once per draft (fixed k)
+            return [a / self.drafts for a in self.accepted_per_position]
+        return []
+
+    def delta(self, before: "SpecCounters | None") -> "SpecCounters":
+        """Counters as differences since `before` (gauges keep their current value)."""
+        if before is None or before.source != self.source:
+            return self
+
+        def d(a, b):
+            return None if a is None else a - (b or 0.0)
+
+        def dl(a, b):
+            return [x - (b[i] if i < len(b) else 0.0) for i, x in enumerate(a)]
+        return SpecCounters(self.source, d(self.drafts, before.drafts), d(self.draft_tokens, before.draft_tokens),
+                            d(self.accepted_tokens, before.accepted_tokens),
+                            dl(self.accepted_per_position, before.accepted_per_position),
+                            dl(self.drafted_per_position, before.drafted_per_position),
+                            d(self.generation_tokens, before.generation_tokens),
+                            d(self.target_passes, before.target_passes),
+                            self.accept_length_gauge, self.accept_rate_gauge)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(acceptance_rate=self.acceptance_rate, mean_acceptance_length=self.mean_acceptance_length,
+                   tokens_per_target_pass=self.tokens_per_target_pass,
+                   acceptance_per_position=self.acceptance_per_position)
+        return out
+
+
+def spec_counters(text: str) -> SpecCounters | None:
+    """The speculative-decoding counters in a /metrics page, or None when it has none."""
+    s = parse_prometheus(text)
+    names = {n for n, _, _ in s}
+    if "verispec_spec_decode_num_draft_tokens_total" in names:
+        return SpecCounters(
+            "verispec", _total(s, "verispec_spec_decode_num_drafts_total"),
+            _total(s, "verispec_spec_decode_num_draft_tokens_total"),
+            _total(s, "verispec_spec_decode_num_accepted_tokens_total"),
+            _per_position(s, "verispec_spec_decode_num_accepted_tokens_per_pos_total"),
+            _per_position(s, "verispec_spec_decode_num_draft_tokens_per_pos_total"),
+            _total(s, "verispec_generation_tokens_total"), _total(s, "verispec_target_passes_total"))
+    if "vllm:spec_decode_num_draft_tokens_total" in names:
+        return SpecCounters(
+            "vllm", _total(s, "vllm:spec_decode_num_drafts_total"),
+            _total(s, "vllm:spec_decode_num_draft_tokens_total"),
+            _total(s, "vllm:spec_decode_num_accepted_tokens_total"),
+            _per_position(s, "vllm:spec_decode_num_accepted_tokens_per_pos_total"),
+            generation_tokens=_total(s, "vllm:generation_tokens_total"),
+            accept_rate_gauge=_mean(s, "vllm:spec_decode_draft_acceptance_rate"))  # vLLM v0 gauge
+    if names & {"sglang:spec_accept_length", "sglang:spec_accept_rate"}:
+        return SpecCounters("sglang", generation_tokens=_total(s, "sglang:generation_tokens_total"),
+                            accept_length_gauge=_mean(s, "sglang:spec_accept_length"),
+                            accept_rate_gauge=_mean(s, "sglang:spec_accept_rate"))
+    return None
+
+
+def server_kind(text: str) -> str:
+    for prefix, kind in (("verispec_", "verispec"), ("vllm:", "vllm"), ("sglang:", "sglang")):
+        if re.search(rf"^{re.escape(prefix)}", text, re.M):
+            return kind
+    return "unknown"
+
+
