@@ -5,8 +5,9 @@ import pytest
 
 from tests.server.helpers import LiveServer, make_state, reference_text
 from verispec.audit.suite import SuitePrompt
-from verispec.audit.endpoint.client import EndpointConfig, audit_endpoint, compare_outputs, first_divergence
-from verispec.audit.endpoint.counters import MetricsParseError, parse_prometheus, server_kind, spec_counters
+from verispec.audit.endpoint.client import EndpointConfig, audit_endpoint, first_divergence
+from verispec.audit.endpoint.null import compare
+from verispec.audit.endpoint.counters import MetricsParseError, parse_prometheus
 
 PROMPTS = [SuitePrompt(f"p{i}", "letters" if i % 2 else "words", text) for i, text in enumerate(
     ["hello there", "abc abc abc", "the quick brown fox", "zz", "one, two, three", "lorem ipsum", "q", "xyzzy"])]
@@ -39,8 +40,8 @@ def test_endpoint_run_under_concurrency(server):
     ref = audit_endpoint(EndpointConfig(server.url, chat=False, max_tokens=12, concurrency=(1,),
                                         extra_body={"verispec": {"speculate": False}}), PROMPTS)
     assert ref.levels[0].spec.draft_tokens == 0
-    rows = compare_outputs(ref.levels[0].results, run.levels[-1].results)
-    assert all(r["compared"] and r["exact"] for r in rows)
+    rows = compare(ref.levels[0].results, run.levels[-1].results, 4).rows
+    assert all(r["error"] is None and r["exact"] for r in rows)
     assert run.to_dict()["levels"][1]["concurrency"] == 4
 
 
@@ -50,37 +51,6 @@ def test_chat_and_errors_are_recorded(server):
     assert all(r.ok and r.text is not None for r in run.levels[0].results)
     bad = audit_endpoint(EndpointConfig(server.url, model="nope", chat=True, concurrency=(1,)), PROMPTS[:1])
     assert bad.levels[0].results[0].error.startswith("HTTP 404")
-
-
-VLLM = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
-# TYPE vllm:spec_decode_num_drafts_total counter
-vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 100.0
-vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 300.0
-vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 150.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 80.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 45.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 25.0
-vllm:generation_tokens_total{engine="0",model_name="m"} 400.0
-"""
-SGLANG = """# TYPE sglang:spec_accept_length gauge
-sglang:spec_accept_length{model_name="m",tp_rank="0"} 2.8
-sglang:spec_accept_rate{model_name="m",tp_rank="0"} 0.6
-sglang:generation_tokens_total{model_name="m"} 7.0
-"""
-
-
-def test_vllm_and_sglang_counters():
-    v = spec_counters(VLLM)
-    assert server_kind(VLLM) == "vllm" and v.source == "vllm"
-    assert v.acceptance_rate == 0.5 and v.mean_acceptance_length == 2.5
-    assert v.acceptance_per_position == [0.8, 0.45, 0.25]
-    later = spec_counters(VLLM.replace("} 100.0", "} 110.0").replace("} 300.0", "} 330.0")
-                          .replace("} 150.0", "} 160.0"))
-    d = later.delta(v)
-    assert (d.drafts, d.draft_tokens, d.accepted_tokens) == (10, 30, 10)
-    g = spec_counters(SGLANG)
-    assert server_kind(SGLANG) == "sglang" and g.mean_acceptance_length == 2.8 and g.acceptance_rate == 0.6
-    assert spec_counters("# nothing\nhttp_requests_total 3\n") is None
 
 
 def test_prometheus_parser_and_divergence():

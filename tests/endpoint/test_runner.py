@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+import verispec
+
 from tests.server.helpers import LiveServer, make_state
 from verispec.audit.endpoint.runner import add_endpoint_arguments, cmd_endpoint_audit
 
@@ -49,7 +51,15 @@ def test_endpoint_audit_writes_the_offline_report_files(servers, tmp_path):
     sl = checks["slices"]["figures"]
     assert sl["pooled_mean_accepted_length"] > 1.0 and 0 < sl["pooled_acceptance_rate"] < 1
     assert [p["batch"] for p in checks["load"]["details"]["points"]["short"]] == [1, 4]
-    assert report["record"]["endpoint"]["kind"] == "verispec"
+    rec = report["record"]
+    assert rec["endpoint"]["kind"] == "verispec" and rec["server"]["version"] == verispec.__version__
+    # the record is what the server said, not a default: this server drafts with "draft", fixed k = 3
+    assert (rec["drafter"]["name"], rec["drafter"]["k"], rec["drafter"]["policy"], rec["rule"]) == (
+        "draft", 3, "fixed", "rejection")
+    assert rec["seed"] != 0 and rec["sampling"]["temperature"] == 0.0
+    # the null baseline (the server with speculation off, against itself) sits beside the figures
+    assert eq["null_exact_match_by_batch"] == {"1": 1.0, "4": 1.0} and eq["null_divergences"] == 0
+    assert "null baseline" in (out / "report.md").read_text()
     assert "verispec audit: PASS" in (out / "report.md").read_text()
     assert "data:image/png;base64" in (out / "report.html").read_text()
 
@@ -65,3 +75,5 @@ def test_endpoint_audit_fails_a_server_that_answers_differently(servers, tmp_pat
     assert "equivalence" in report["failed_checks"]
     eq = next(c for c in report["checks"] if c["name"] == "equivalence")
     assert eq["figures"]["divergences"] > 0
+    # against a null of no divergence at all, most prompts diverging fails the count test
+    assert "Fisher" in eq["summary"] and eq["figures"]["null_divergences"] == 0

@@ -293,6 +293,8 @@ def _sections(report: dict) -> list[tuple[str, list[str], list[list]]]:
                              _f(p["speedup"]) + "x"])
         out.append(("Load sweep", ["context", "prompt tokens", "batch", "plain tok/s", "spec tok/s",
                                    "plain ms/token", "spec ms/token", "tokens/pass", "speedup"], rows))
+    for c in report["checks"]:  # tables a check brings along (the endpoint audit's null baseline, ...)
+        out += [tuple(t) for t in ((c.get("details") or {}).get("tables") or [])]
     rec = report["record"]
     out.append(("Re-test triggers (a change of any re-opens the verdict)", ["trigger", "audited value"],
                 [[t["trigger"], t["audited"]] for t in rec["retest_triggers"]]))

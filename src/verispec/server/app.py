@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from .. import __version__
 from ..engine import GenerationParams
 from ..sampling import SamplingParams
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -395,8 +396,8 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
         return {"object": "list", "data": [{
             "id": state.config.model_name, "object": "model", "created": state.created, "owned_by": "verispec",
             "max_model_len": state.max_len,
-            "verispec": {"drafter": state.metrics.info["drafter"], "k": state.k, "policy": state.policy,
-                         "rule": state.rule, "lossy": state.lossy}}]}
+            "verispec": {"version": __version__, "drafter": state.metrics.info["drafter"], "k": state.k,
+                         "policy": state.policy, "rule": state.rule, "lossy": state.lossy}}]}
 
     async def _tracked(request: Request, handler):
         """Generation requests: refused while draining, else counted in flight until

@@ -1,17 +1,19 @@
-"""Audit any OpenAI-compatible endpoint (verispec serve, vLLM, SGLang, ...) from outside.
+"""Audit any OpenAI-compatible endpoint (verispec serve, llama.cpp, vLLM, SGLang, ...) from outside.
 
 An async client (httpx) sends the suite's prompts at temperature 0, at each load level
 (number of concurrent clients), and records per prompt: the text, finish reason, token
 counts, latency and time to first token; with `logprobs=True`, the chosen tokens'
 log-probabilities and top-2 margins where the server returns them. Around each level it
 scrapes the server's Prometheus /metrics and reports the speculative-decoding counters
-that vLLM (``vllm:spec_decode_*``), SGLang (``sglang:spec_accept_*``) and verispec
-(``verispec_spec_decode_*``) expose, as differences over the level.
+that llama.cpp, vLLM and verispec expose, as differences over the level (SGLang's gauges
+are sampled during it); each answer's own speculative fields are kept (counters.py).
+A request that fails (HTTP error, refused, cut mid-stream, junk in the stream) is recorded
+with its error; nothing here raises for one bad answer.
 
     run = audit_endpoint(EndpointConfig("http://127.0.0.1:8000"), prompts)
     ref = audit_endpoint(EndpointConfig("http://127.0.0.1:8000", concurrency=(1,),
                                         extra_body={"verispec": {"speculate": False}}), prompts)
-    rows = compare_outputs(ref.levels[0].results, run.levels[-1].results)
+    rows = null.compare(ref.levels[0].results, run.levels[-1].results, 8).rows  # per prompt, vs the reference
 
 The comparison is on text: OpenAI responses carry no token ids. Nothing here knows the
 model; the offline audit's report is built from these records by the audit package.
@@ -28,7 +30,7 @@ from typing import Iterable
 
 import httpx
 
-from .counters import MetricsParseError, SpecCounters, server_kind, spec_counters
+from .counters import MetricsParseError, SpecCounters, response_spec, server_kind, spec_counters
 
 # -- the client ----------------------------------------------------------------------------
 
@@ -64,7 +66,7 @@ class PromptResult:
     tokens: list[str] | None = None  # token texts, where the server returns logprobs
     token_logprobs: list[float] | None = None  # chosen tokens' logprobs, likewise
     top2_margins: list[float | None] | None = None  # logprob(top1) - logprob(top2) per token
-    server_info: dict | None = None  # a "verispec" (or vLLM "metrics") object in the response, if any
+    server_info: dict | None = None  # the response's speculative fields (counters.response_spec), if any
 
     @property
     def ok(self) -> bool:
@@ -183,16 +185,23 @@ class EndpointClient:
                     data = line[5:].strip()
                     if data == "[DONE]":
                         break
-                    obj = json.loads(data)
+                    try:
+                        obj = json.loads(data)
+                    except ValueError:
+                        res.error = f"malformed stream chunk: {data[:200]!r}"
+                        return res
+                    if not isinstance(obj, dict):
+                        res.error = f"malformed stream chunk: {data[:200]!r}"
+                        return res
                     if "error" in obj:
                         res.error = f"stream error: {obj['error']}"
-                        break
+                        return res
                     if obj.get("usage"):
                         res.prompt_tokens = obj["usage"].get("prompt_tokens")
                         res.completion_tokens = obj["usage"].get("completion_tokens")
-                    for key in ("verispec", "metrics"):
-                        if isinstance(obj.get(key), dict):
-                            res.server_info = obj[key]
+                    spec = response_spec(obj)
+                    if spec is not None:
+                        res.server_info = spec
                     for ch in obj.get("choices") or []:
                         text = (ch.get("delta") or {}).get("content") if self.cfg.chat else ch.get("text")
                         if text:
@@ -202,8 +211,11 @@ class EndpointClient:
                         if ch.get("finish_reason"):
                             res.finish_reason = ch["finish_reason"]
                         _collect_logprobs(ch.get("logprobs"), self.cfg.chat, toks, lps, margins)
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.StreamError) as e:  # refused, reset, cut mid-stream, timed out
             res.error = f"{type(e).__name__}: {e}"
+            return res
+        if res.finish_reason is None:
+            res.error = "the stream ended without a finish reason (connection cut?)"
             return res
         res.latency_s = time.perf_counter() - t0
         res.text = "".join(parts)
@@ -254,14 +266,50 @@ async def run_endpoint(cfg: EndpointConfig, prompts: Iterable, on_result=None) -
                     if on_result is not None:
                         on_result(level, results[i])
 
+            sampler = None
+            if before is not None and before.from_gauges:  # SGLang: gauges move with each batch; sample them
+                sampler = asyncio.create_task(_sample_gauges(client, before.gauge_samples))
             t0 = time.perf_counter()
             await asyncio.gather(*(worker(conc, todo, results) for _ in range(min(conc, len(prompts)) or 1)))
             wall = time.perf_counter() - t0
-            after = _counters(await client.metrics())
+            if sampler is not None:
+                sampler.cancel()
+            after = await _settled_counters(client)
+            if after is not None and before is not None:
+                after.gauge_samples = before.gauge_samples
             levels.append(LevelRun(conc, wall, results, after.delta(before) if after else None))
         return EndpointRun(cfg.base, model, kind, client.logprobs, levels)
     finally:
         await client.aclose()
+
+
+GAUGE_SAMPLE_S = 0.5
+
+
+async def _sample_gauges(client: "EndpointClient", out: list) -> None:
+    """Append SGLang's acceptance gauges every GAUGE_SAMPLE_S while a level runs."""
+    t0 = time.perf_counter()
+    while True:
+        c = _counters(await client.metrics())
+        if c is not None:
+            out.append({"t_s": round(time.perf_counter() - t0, 2), "accept_length": c.accept_length_gauge,
+                        "accept_rate": c.accept_rate_gauge})
+        await asyncio.sleep(GAUGE_SAMPLE_S)
+
+
+async def _settled_counters(client: "EndpointClient", tries: int = 10, wait_s: float = 0.2) -> SpecCounters | None:
+    """The counters once two scrapes in a row agree: llama.cpp adds a request's counts when
+    its slot is released, which can come just after the last byte of its answer."""
+    last = _counters(await client.metrics())
+    for _ in range(tries):
+        if last is None:
+            return None
+        await asyncio.sleep(wait_s)
+        now = _counters(await client.metrics())
+        if now is not None and now.to_dict() == last.to_dict():
+            return now
+        last = now
+    return last
 
 
 def _counters(page: str | None) -> SpecCounters | None:
@@ -284,33 +332,3 @@ def first_divergence(a: str, b: str) -> int | None:
         return None
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-def compare_outputs(reference: list[PromptResult], candidate: list[PromptResult]) -> list[dict]:
-    """Per prompt: exact text match and the first differing character, with the reference's
-    top-2 logprob margin near there when logprobs were returned (a tiny margin: numerics)."""
-    by_id = {r.id: r for r in reference}
-    rows = []
-    for c in candidate:
-        ref = by_id.get(c.id)
-        if ref is None or not ref.ok or not c.ok:
-            rows.append({"id": c.id, "slice": c.slice, "compared": False,
-                         "error": (ref.error if ref else "no reference") if not (ref and ref.ok) else c.error})
-            continue
-        at = first_divergence(ref.text, c.text)
-        rows.append({"id": c.id, "slice": c.slice, "compared": True, "exact": at is None,
-                     "first_divergence_char": at, "reference_chars": len(ref.text), "chars": len(c.text),
-                     "reference_top2_margin": _margin_at(ref, at) if at is not None else None})
-    return rows
-
-
-def _margin_at(ref: PromptResult, char: int) -> float | None:
-    """The reference's top-2 logprob margin at the token holding character `char`."""
-    if not ref.tokens or not ref.top2_margins:
-        return None
-    end = 0
-    for tok, margin in zip(ref.tokens, ref.top2_margins):
-        end += len(tok)
-        if end > char:
-            return margin
-    return None

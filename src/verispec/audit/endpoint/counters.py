@@ -1,9 +1,20 @@
-"""Speculative-decoding counters in other servers' Prometheus /metrics pages.
+"""Speculative-decoding counters in other servers' Prometheus /metrics pages, and the
+per-response speculative fields of their answers.
 
-Pages are parsed by prometheus_client's parser (text format 0.0.4); the counters of
-vLLM (``vllm:spec_decode_*``), SGLang (``sglang:spec_accept_*``, gauges) and verispec
-(``verispec_spec_decode_*``) are read into one SpecCounters record, and `delta` turns
-two scrapes into the figures of what happened between them.
+Pages are parsed by prometheus_client's parser (text format 0.0.4). Counters read:
+
+* llama.cpp (``llama-server --metrics``): ``llamacpp:spec_decode_num_drafts_total``
+  (verification steps), ``..._num_draft_tokens_total``, ``..._num_accepted_tokens_total``,
+  ``..._num_accepted_tokens_per_pos_total{position}`` (steps that accepted position i),
+  ``llamacpp:tokens_predicted_total``; added when a request finishes (a slot's stats
+  flushed at release), so a scrape after a level has finished counts all of it;
+* vLLM: ``vllm:spec_decode_num_drafts_total`` and the same three, ``vllm:generation_tokens_total``;
+* verispec: ``verispec_spec_decode_*`` (vLLM's names) plus target passes per row;
+* SGLang: only gauges, ``sglang:spec_accept_length`` / ``sglang:spec_accept_rate``: the
+  last batch's (or a short window's) values, sampled during a run and reported as
+  gauges, never as the level's figures.
+
+`delta` turns two scrapes into the figures of what happened between them.
 """
 
 from __future__ import annotations
@@ -53,7 +64,7 @@ class SpecCounters:
     mean_acceptance_length follows vLLM: 1 + accepted / drafts (tokens per verification of
     a row, bonus token included); SGLang reports it directly as a gauge."""
 
-    source: str  # "vllm" | "sglang" | "verispec"
+    source: str  # "llama.cpp" | "vllm" | "sglang" | "verispec"
     drafts: float | None = None  # row-steps that verified drafts
     draft_tokens: float | None = None
     accepted_tokens: float | None = None
@@ -61,20 +72,29 @@ class SpecCounters:
     drafted_per_position: list[float] = field(default_factory=list)
     generation_tokens: float | None = None
     target_passes: float | None = None  # verispec only: passes per row, speculative or not
-    accept_length_gauge: float | None = None  # SGLang's own average (server lifetime or window)
+    accept_length_gauge: float | None = None  # SGLang's gauge: last batch / short window, not a level figure
     accept_rate_gauge: float | None = None
+    gauge_samples: list[dict] = field(default_factory=list)  # SGLang: the gauges as sampled during a level
+
+    @property
+    def from_gauges(self) -> bool:
+        """True when the figures are gauges (SGLang), not differences of counters."""
+        return self.drafts is None and self.draft_tokens is None and (
+            self.accept_length_gauge is not None or self.accept_rate_gauge is not None)
 
     @property
     def acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens over the counted interval (None for gauges)."""
         if self.draft_tokens:
             return self.accepted_tokens / self.draft_tokens
-        return self.accept_rate_gauge
+        return None
 
     @property
     def mean_acceptance_length(self) -> float | None:
+        """1 + accepted / verification steps (bonus token included), from counters only."""
         if self.drafts:
             return 1.0 + self.accepted_tokens / self.drafts
-        return self.accept_length_gauge
+        return None
 
     @property
     def tokens_per_target_pass(self) -> float | None:
@@ -87,7 +107,7 @@ class SpecCounters:
     def acceptance_per_position(self) -> list[float | None]:
         if self.drafted_per_position:
             return [a / d if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
-        if self.drafts:  # vLLM: position i was drafted once per draft (fixed k)
+        if self.drafts:  # vLLM, llama.cpp: steps that accepted position i / verification steps
             return [a / self.drafts for a in self.accepted_per_position]
         return []
 
@@ -107,36 +127,35 @@ class SpecCounters:
                             dl(self.drafted_per_position, before.drafted_per_position),
                             d(self.generation_tokens, before.generation_tokens),
                             d(self.target_passes, before.target_passes),
-                            self.accept_length_gauge, self.accept_rate_gauge)
+                            self.accept_length_gauge, self.accept_rate_gauge, list(self.gauge_samples))
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(acceptance_rate=self.acceptance_rate, mean_acceptance_length=self.mean_acceptance_length,
                    tokens_per_target_pass=self.tokens_per_target_pass,
-                   acceptance_per_position=self.acceptance_per_position)
+                   acceptance_per_position=self.acceptance_per_position, from_gauges=self.from_gauges)
         return out
+
+
+# (source, prefix, generated-tokens counter, target-passes counter or None)
+VLLM_NAMED = (("verispec", "verispec_", "verispec_generation_tokens_total", "verispec_target_passes_total"),
+              ("llama.cpp", "llamacpp:", "llamacpp:tokens_predicted_total", None),
+              ("vllm", "vllm:", "vllm:generation_tokens_total", None))
 
 
 def spec_counters(text: str) -> SpecCounters | None:
     """The speculative-decoding counters in a /metrics page, or None when it has none."""
     s = parse_prometheus(text)
     names = {n for n, _, _ in s}
-    if "verispec_spec_decode_num_draft_tokens_total" in names:
-        return SpecCounters(
-            "verispec", _total(s, "verispec_spec_decode_num_drafts_total"),
-            _total(s, "verispec_spec_decode_num_draft_tokens_total"),
-            _total(s, "verispec_spec_decode_num_accepted_tokens_total"),
-            _per_position(s, "verispec_spec_decode_num_accepted_tokens_per_pos_total"),
-            _per_position(s, "verispec_spec_decode_num_draft_tokens_per_pos_total"),
-            _total(s, "verispec_generation_tokens_total"), _total(s, "verispec_target_passes_total"))
-    if "vllm:spec_decode_num_draft_tokens_total" in names:
-        return SpecCounters(
-            "vllm", _total(s, "vllm:spec_decode_num_drafts_total"),
-            _total(s, "vllm:spec_decode_num_draft_tokens_total"),
-            _total(s, "vllm:spec_decode_num_accepted_tokens_total"),
-            _per_position(s, "vllm:spec_decode_num_accepted_tokens_per_pos_total"),
-            generation_tokens=_total(s, "vllm:generation_tokens_total"),
-            accept_rate_gauge=_mean(s, "vllm:spec_decode_draft_acceptance_rate"))  # vLLM v0 gauge
+    for source, prefix, generated, passes in VLLM_NAMED:  # vLLM's counter names under a prefix each
+        if f"{prefix}spec_decode_num_draft_tokens_total" in names:
+            return SpecCounters(
+                source, _total(s, f"{prefix}spec_decode_num_drafts_total"),
+                _total(s, f"{prefix}spec_decode_num_draft_tokens_total"),
+                _total(s, f"{prefix}spec_decode_num_accepted_tokens_total"),
+                _per_position(s, f"{prefix}spec_decode_num_accepted_tokens_per_pos_total"),
+                _per_position(s, f"{prefix}spec_decode_num_draft_tokens_per_pos_total"),
+                _total(s, generated), _total(s, passes) if passes else None)
     if names & {"sglang:spec_accept_length", "sglang:spec_accept_rate"}:
         return SpecCounters("sglang", generation_tokens=_total(s, "sglang:generation_tokens_total"),
                             accept_length_gauge=_mean(s, "sglang:spec_accept_length"),
@@ -145,9 +164,35 @@ def spec_counters(text: str) -> SpecCounters | None:
 
 
 def server_kind(text: str) -> str:
-    for prefix, kind in (("verispec_", "verispec"), ("vllm:", "vllm"), ("sglang:", "sglang")):
+    """The server software a /metrics page names by its prefixes ("unknown" if none)."""
+    for prefix, kind in (("verispec_", "verispec"), ("vllm:", "vllm"), ("sglang:", "sglang"),
+                         ("llamacpp:", "llama.cpp"), ("tgi_", "tgi")):
         if re.search(rf"^{re.escape(prefix)}", text, re.M):
             return kind
     return "unknown"
 
 
+
+
+def response_spec(obj: dict) -> dict | None:
+    """The speculative fields of one response (or its final stream chunk), normalised:
+    {"source", "drafted", "accepted", "verify_steps", "target_passes"} with None where the
+    server does not say. Read: llama.cpp's ``timings.draft_n`` / ``timings.draft_n_accepted``
+    (present only when the request drafted), vLLM's ``metrics.speculative_decoding``
+    (``--per-request-spec-decode-metrics``), verispec's ``verispec`` object."""
+    if not isinstance(obj, dict):
+        return None
+    v = obj.get("verispec")
+    if isinstance(v, dict) and ("drafted" in v or "target_passes" in v):
+        return {"source": "verispec", "drafted": v.get("drafted"), "accepted": v.get("accepted"),
+                "verify_steps": None, "target_passes": v.get("target_passes")}
+    m = obj.get("metrics")
+    sd = m.get("speculative_decoding") if isinstance(m, dict) else None
+    if isinstance(sd, dict):
+        return {"source": "vllm", "drafted": sd.get("num_draft_tokens"), "accepted": sd.get("num_accepted_draft_tokens"),
+                "verify_steps": sd.get("num_spec_steps"), "target_passes": None}
+    t = obj.get("timings")
+    if isinstance(t, dict) and "predicted_n" in t:
+        return {"source": "llama.cpp", "drafted": t.get("draft_n", 0), "accepted": t.get("draft_n_accepted", 0),
+                "verify_steps": None, "target_passes": None}
+    return None

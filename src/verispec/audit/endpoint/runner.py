@@ -28,10 +28,15 @@ import platform
 import re
 import sys
 import time
+from dataclasses import replace
 
 import httpx
 
-from .client import EndpointConfig, EndpointRun, PromptResult, audit_endpoint, first_divergence, server_kind
+from .client import EndpointConfig, EndpointRun, PromptResult, audit_endpoint
+from .counters import SpecCounters
+from .kinds import ServerInfo, probe
+from .null import ALPHA as NULL_ALPHA
+from .null import Comparison, compare, verdict
 
 WORD = re.compile(r"\w+|[^\w\s]|\s+")
 
@@ -45,6 +50,17 @@ def _concurrency(s: str) -> tuple[int, ...]:
     if not levels or min(levels) < 1:
         raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got {s!r}")
     return levels
+
+
+def _at_least_one(s: str) -> int:
+    import argparse
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def add_endpoint_arguments(a) -> None:
@@ -62,6 +78,8 @@ def add_endpoint_arguments(a) -> None:
                    help="max_tokens per request (default 64)")
     a.add_argument("--raw", dest="endpoint_raw", action="store_true",
                    help="send raw prompts to /v1/completions instead of chat messages")
+    a.add_argument("--null-repeats", type=_at_least_one, default=1,
+                   help="run the null (reference vs itself) this many times, pooled (default 1)")
 
 
 def cmd_endpoint_audit(args) -> int:
@@ -71,10 +89,15 @@ def cmd_endpoint_audit(args) -> int:
 
     suite = load_suite(args.suite)
     prompts = select_prompts(suite, 2 if getattr(args, "quick", False) else None)
-    report = run_endpoint_audit(args.endpoint, prompts, reference_url=args.reference_endpoint,
-                                model=args.endpoint_model, api_key=args.endpoint_api_key,
-                                chat=not args.endpoint_raw, max_tokens=args.endpoint_max_tokens,
-                                concurrency=args.concurrency, suite_spec=args.suite, suite_size=len(suite))
+    try:
+        report = run_endpoint_audit(args.endpoint, prompts, reference_url=args.reference_endpoint,
+                                    model=args.endpoint_model, api_key=args.endpoint_api_key,
+                                    chat=not args.endpoint_raw, max_tokens=args.endpoint_max_tokens,
+                                    concurrency=args.concurrency, suite_spec=args.suite, suite_size=len(suite),
+                                    null_repeats=args.null_repeats)
+    except EndpointError as e:
+        print(f"verispec audit --endpoint: cannot audit: {e}", file=sys.stderr)
+        return 2
     paths = write_reports(report, args.out)
     print(f"verdict: {report['verdict'].upper()}"
           + (f" (failed: {', '.join(report['failed_checks'])})" if report["failed_checks"] else "")
@@ -86,70 +109,83 @@ def cmd_endpoint_audit(args) -> int:
     return 0 if report["verdict"] == "pass" else 1
 
 
-def _server_info(url: str, api_key: str | None) -> tuple[str, dict]:
-    """(kind, the "verispec" object of /v1/models if any)."""
-    base = EndpointConfig(url).base
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    kind, info = "unknown", {}
+class EndpointError(RuntimeError):
+    """The endpoint could not be audited at all (unreachable, no model, refused every request)."""
+
+
+def _run(cfg: EndpointConfig, prompts: list, what: str) -> EndpointRun:
     try:
-        m = httpx.get(base + "/metrics", headers=headers, timeout=30)
-        if m.status_code == 200:
-            kind = server_kind(m.text)
-        models = httpx.get(base + "/v1/models", headers=headers, timeout=30).json()["data"]
-        info = models[0].get("verispec") or {}
-    except (httpx.HTTPError, KeyError, IndexError, ValueError):
-        pass
-    return kind, info
+        return audit_endpoint(cfg, prompts)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
+        raise EndpointError(f"{what} at {cfg.base}: {type(e).__name__}: {e}") from None
 
 
 def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = None, model: str | None = None,
                        api_key: str | None = None, chat: bool = True, max_tokens: int = 64,
                        concurrency: tuple[int, ...] = (1, 8), suite_spec: str = "default",
-                       suite_size: int | None = None) -> dict:
-    """Run the endpoint (and its reference) over the prompts; the report as a dict in the
-    offline audit's format (audit.report.write_reports renders it)."""
+                       suite_size: int | None = None, alpha: float = NULL_ALPHA, null_repeats: int = 1) -> dict:
+    """Run the endpoint, its reference and the reference's null runs over the prompts; the
+    report as a dict in the offline audit's format (audit.report.write_reports renders it).
+
+    Runs, in order: the base (reference at concurrency 1), the endpoint at every level,
+    the reference again at every level (the null; also the plain speed). Without a
+    reference, the endpoint itself is base and null (at concurrency 1 only). null_repeats:
+    how many times the null runs (pooled)."""
+    if null_repeats < 1:
+        raise ValueError(f"null_repeats must be >= 1, got {null_repeats}")
     t0 = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    kind, info = _server_info(url, api_key)
+    info = probe(EndpointConfig(url).base, api_key)
     cfg = EndpointConfig(url, model=model, api_key=api_key, chat=chat, max_tokens=max_tokens,
                          concurrency=concurrency, logprobs=True)
+    ref_info = None
     if reference_url:
-        ref_cfg = EndpointConfig(reference_url, model=model, api_key=api_key, chat=chat, max_tokens=max_tokens,
-                                 concurrency=concurrency, logprobs=True)
-        reference_kind = f"reference endpoint {EndpointConfig(reference_url).base}"
-    elif kind == "verispec":
-        ref_cfg = EndpointConfig(url, model=model, api_key=api_key, chat=chat, max_tokens=max_tokens,
-                                 concurrency=concurrency, logprobs=True,
-                                 extra_body={"verispec": {"speculate": False}})
+        ref_cfg = replace(cfg, url=reference_url, extra_body=None)
+        ref_info = probe(ref_cfg.base, api_key)
+        reference_kind = f"reference endpoint {ref_cfg.base} ({ref_info.kind})"
+    elif info.kind == "verispec":
+        ref_cfg = replace(cfg, extra_body={"verispec": {"speculate": False}})
         reference_kind = "the same verispec server with speculation off"
     else:
         ref_cfg = None
-        reference_kind = "none: the endpoint's own answers at the lowest concurrency (load invariance only)"
-    reference = audit_endpoint(ref_cfg, prompts) if ref_cfg else None
-    run = audit_endpoint(cfg, prompts)
-    base_results = reference.levels[0].results if reference else run.levels[0].results
+        reference_kind = ("none: the endpoint's own answers at concurrency 1 (load invariance only; "
+                          "speculation cannot be separated from batching numerics)")
+    base_cfg = replace(ref_cfg or cfg, concurrency=(1,))
+    base = _run(base_cfg, prompts, "the base run (reference at concurrency 1)")
+    run = _run(cfg, prompts, "the endpoint")
+    null_runs = [_run(ref_cfg if ref_cfg else base_cfg, prompts, "the null run") for _ in range(null_repeats)]
+    null_run = null_runs[0]
+    reference = null_run if ref_cfg else None
+    base_results = base.levels[0].results
+    tests = [compare(base_results, lv.results, lv.concurrency) for lv in run.levels]
+    nulls: dict[int, Comparison] = {}
+    for nr in null_runs:  # repeats pool per level: more null divergences give the margins a scale
+        for lv in nr.levels:
+            nulls.setdefault(lv.concurrency, Comparison(lv.concurrency)).rows += compare(
+                base_results, lv.results, lv.concurrency).rows
 
     checks = []
-    if info.get("rule"):
-        lossy = bool(info.get("lossy"))
-        checks.append(_check("lossy-rule", not lossy, f"server rule {info['rule']!r} is "
-                             + ("LOSSY" if lossy else "exact"), {"rule": info["rule"], "lossy": lossy}))
-    checks.append(_equivalence(run, base_results, reference_kind))
+    if info.kind == "verispec" and "rule" in info.speculative:
+        lossy = bool(info.speculative.get("lossy"))
+        rule = info.speculative["rule"]
+        checks.append(_check("lossy-rule", not lossy, f"server rule {rule!r} is " + ("LOSSY" if lossy else "exact"),
+                             {"rule": rule, "lossy": lossy}))
+    checks.append(_equivalence(tests, nulls, base, reference_kind, ref_cfg is not None, alpha))
     checks.append(_corruption(run, base_results))
     checks.append(_slices(run, reference))
     checks.append(_load(run, reference))
-    record = _record(run, reference, kind, info, reference_kind, prompts, chat, max_tokens, concurrency,
+    record = _record(run, reference, info, ref_info, reference_kind, prompts, chat, max_tokens, concurrency,
                      suite_spec, suite_size, started)
-    checks.append(_check("record", True, f"endpoint {run.url} ({kind}), model {run.model}; "
-                                         f"{len(record['retest_triggers'])} re-test triggers",
-                         {"kind": kind, "model": run.model}, informational=True))
+    checks.append(_check("record", True, f"endpoint {run.url} ({info.kind} {info.version or 'version unknown'}), "
+                                         f"model {run.model}; {len(record['retest_triggers'])} re-test triggers",
+                         {"kind": info.kind, "version": info.version, "model": run.model}, informational=True))
     failed = [c["name"] for c in checks if not c["passed"]]
     samples = [{"slice": p.slice, "prompt": p.prompt, "reference": r.text or "", "speculative": g.text or ""}
                for p, r, g in list(zip(prompts, base_results, run.levels[-1].results))[:6]]
     return {"verdict": "fail" if failed else "pass", "failed_checks": failed,
             "elapsed_s": round(time.perf_counter() - t0, 1), "checks": checks, "record": record,
-            "samples": samples, "endpoint_runs": {"endpoint": run.to_dict(),
-                                                  "reference": reference.to_dict() if reference else None}}
+            "samples": samples, "endpoint_runs": {"endpoint": run.to_dict(), "base": base.to_dict(),
+                                                  "reference": null_run.to_dict()}}
 
 
 def _check(name, passed, summary, figures=None, details=None, informational=False) -> dict:
@@ -157,47 +193,66 @@ def _check(name, passed, summary, figures=None, details=None, informational=Fals
             "elapsed_s": 0.0, "figures": figures or {}, "details": details}
 
 
-def _equivalence(run: EndpointRun, refs: list[PromptResult], reference_kind: str) -> dict:
-    from ..equivalence import TIE_MARGIN
-    from ..runner import EXACT_MATCH_MIN
-
-    from .client import _margin_at
-    per_batch, rows, failures = [], [], []
-    margins_known = any(r.top2_margins for r in refs)
-    for level in run.levels:
-        counts = {"identical": 0, "near-tie": 0, "divergence": 0}
-        for ref, got in zip(refs, level.results):
-            if not (ref.ok and got.ok):
-                verdict, at, margin = "divergence", None, None
-            else:
-                at = first_divergence(ref.text, got.text)
-                margin = _margin_at(ref, at) if at is not None else None
-                verdict = ("identical" if at is None else
-                           "near-tie" if margin is not None and margin < TIE_MARGIN else "divergence")
-            counts[verdict] += 1
-            rows.append({"batch": level.concurrency, "id": got.id, "slice": got.slice, "exact": at is None,
-                         "first_divergence": at, "margin": margin, "verdict": verdict,
-                         "error": got.error or ref.error})
-        n = len(level.results)
-        rate = counts["identical"] / n if n else 0.0
-        allowed = max(1, math.floor((1 - EXACT_MATCH_MIN) * n))
-        ok = counts["divergence"] == 0 and (rate >= EXACT_MATCH_MIN or n - counts["identical"] <= allowed)
-        per_batch.append({"batch": level.concurrency, "rows_decoded_together": min(level.concurrency, n),
-                          "prompts": n, "exact_match_rate": rate, **counts, "passed": ok})
-        if counts["divergence"]:
-            failures.append(f"c={level.concurrency}: {counts['divergence']} divergence(s)"
-                            + ("" if margins_known else " (no logprobs: margins unknown)"))
-        elif not ok:
-            failures.append(f"c={level.concurrency}: exact match {rate:.0%} < {EXACT_MATCH_MIN:.0%}")
-    summary = ("exact match (text) " + ", ".join(f"c{r['batch']} {r['exact_match_rate']:.0%}" for r in per_batch)
-               + ("" if not failures else "; " + "; ".join(failures)))
+def _equivalence(tests: list[Comparison], nulls: dict[int, Comparison], base: EndpointRun, reference_kind: str,
+                 separable: bool, alpha: float) -> dict:
+    v = verdict(tests, nulls, alpha)
+    margins_known = base.logprobs
+    per_batch, rows = [], []
+    for t, lv in zip(tests, v["per_level"]):
+        counts = {"identical": sum(r["exact"] for r in t.rows),
+                  "near-tie": sum(r.get("verdict") == "numerics" for r in t.rows)}
+        counts["divergence"] = len(t.rows) - counts["identical"] - counts["near-tie"]
+        n = len(t.rows)
+        per_batch.append({"batch": t.concurrency, "rows_decoded_together": min(t.concurrency, n), "prompts": n,
+                          "exact_match_rate": counts["identical"] / n if n else 0.0, **counts,
+                          "null_exact_match_rate": 1 - lv["null_rate"] if lv["null_rate"] is not None else None,
+                          **{k: lv[k] for k in ("null_divergences", "null_compared", "null_source", "fisher_p",
+                                                "alpha", "beyond_null", "margin_p", "errors", "reasons")},
+                          "passed": lv["passed"]})
+        rows += [{"batch": t.concurrency, **r} for r in t.rows]
+    null_rows = [{"batch": c, **r} for c, cmp in nulls.items() for r in cmp.rows]
+    failures = v["failures"]
+    summary = ("exact match (text) " + ", ".join(
+        f"c{r['batch']} {r['exact_match_rate']:.0%} (null {r['null_exact_match_rate']:.0%})"
+        if r["null_exact_match_rate"] is not None else f"c{r['batch']} {r['exact_match_rate']:.0%}"
+        for r in per_batch)
+        + (f"; null max margin {v['null_max_margin']:.3g}" if v["null_max_margin"] is not None
+           else "; the null never diverged" if margins_known else "; no logprobs: margins unknown")
+        + ("" if separable else "; NO reference: speculation not separable from batching")
+        + ("" if not failures else "; " + "; ".join(failures)))
     figures = {"exact_match_by_batch": {str(r["batch"]): r["exact_match_rate"] for r in per_batch},
+               "null_exact_match_by_batch": {str(s["concurrency"]): 1 - s["divergence_rate"]
+                                             for s in v["null"] if s["divergence_rate"] is not None},
                "min_exact_match": min(r["exact_match_rate"] for r in per_batch),
                "divergences": sum(r["divergence"] for r in per_batch),
-               "near_ties": sum(r["near-tie"] for r in per_batch), "tie_margin": TIE_MARGIN,
-               "exact_match_threshold": EXACT_MATCH_MIN, "prompts": len(refs), "reference": reference_kind,
+               "near_ties": sum(r["near-tie"] for r in per_batch),
+               "null_divergences": sum(s["divergences"] for s in v["null"]),
+               "null_max_margin": v["null_max_margin"], "null_margins": v["null_margins"],
+               "test": f"per level: one-sided Fisher exact test on divergence counts, and an exact exceedance "
+                       f"test of margins beyond the null's largest (alpha {alpha:g} over {2 * len(tests)} tests)",
+               "alpha": alpha,
+               "exact_match_threshold": min((r["null_exact_match_rate"] for r in per_batch
+                                             if r["null_exact_match_rate"] is not None), default=1.0),
+               "prompts": len(base.levels[0].results), "reference": reference_kind, "separable": separable,
                "compared_on": "text (batch = concurrent clients)", "reference_logprobs": margins_known}
-    return _check("equivalence", not failures, summary, figures, {"per_batch": per_batch, "prompts": rows})
+    if not separable:
+        figures["not_separable"] = ("no non-speculative reference: a divergence under load may be speculation "
+                                    "or the server's batching numerics; only load invariance was tested")
+    tables = [("Equivalence: null baseline (reference vs itself) beside the endpoint",
+               ["batch", "endpoint divergences", "null divergences", "null source", "Fisher p",
+                "beyond null's max margin", "exceedance p", "alpha", "failed requests", "passed"],
+               [[r["batch"], f"{r['divergence']+r['near-tie']}/{r['prompts']}",
+                 f"{r['null_divergences']}/{r['null_compared']}", r["null_source"], f"{r['fisher_p']:.3g}",
+                 r["beyond_null"], f"{r['margin_p']:.3g}", f"{r['alpha']:.3g}", r["errors"], r["passed"]]
+                for r in per_batch]),
+              ("Equivalence: null divergences (top-2 margin of the base at the first divergence)",
+               ["batch", "prompt", "slice", "first divergence", "top-2 margin"],
+               [[r["batch"], r["id"], r["slice"], r["first_divergence"],
+                 "-" if r["margin"] is None else f"{r['margin']:.3g}"]
+                for r in null_rows if not r["exact"] and r["error"] is None][:40])]
+    return _check("equivalence", not failures, summary, figures,
+                  {"per_batch": per_batch, "prompts": rows, "null_prompts": null_rows, "null": v["null"],
+                   "tables": tables})
 
 
 def _pseudo_tokens(text: str) -> list[int]:
@@ -242,25 +297,65 @@ def _tps(results: list[PromptResult]) -> float | None:
     return toks / secs if secs else None
 
 
-def _slice_row(name: str, spec: list[PromptResult], plain: list[PromptResult] | None, pooled=None) -> dict:
-    infos = [r.server_info for r in spec if r.ok and r.server_info]
-    drafted = sum(i.get("drafted") or 0 for i in infos)
-    accepted = sum(i.get("accepted") or 0 for i in infos)
-    passes = sum(i.get("target_passes") or 0 for i in infos)
+def _response_sums(results: list[PromptResult]) -> dict | None:
+    """Per-response speculative fields summed over answers (None when no answer had any)."""
+    infos = [r.server_info for r in results if r.ok and r.server_info]
+    if not infos:
+        return None
+
+    def total(key):
+        vals = [i.get(key) for i in infos]
+        return sum(vals) if vals and all(v is not None for v in vals) else None
+    return {"source": infos[0].get("source"), "responses": len(infos), "drafted": total("drafted"),
+            "accepted": total("accepted"), "verify_steps": total("verify_steps"),
+            "target_passes": total("target_passes")}
+
+
+def _slice_row(name: str, spec: list[PromptResult], plain: list[PromptResult] | None,
+               counters: SpecCounters | None = None) -> dict:
+    """One slice's figures from the answers' own speculative fields; the pooled row takes
+    the level's /metrics counters where the server has them (and says which)."""
+    sums = _response_sums(spec)
     toks = sum(r.completion_tokens or 0 for r in spec if r.ok)
-    mal = toks / passes if passes else (_tokens_per_pass(pooled) if pooled else None)
-    rate = accepted / drafted if drafted else (pooled.acceptance_rate if pooled else None)
-    per_pos = pooled.acceptance_per_position if pooled else []
+    rate = mal = None
+    source = None
+    if sums:
+        if sums["drafted"]:
+            rate = sums["accepted"] / sums["drafted"]
+        if sums["target_passes"]:
+            mal = toks / sums["target_passes"]
+        elif sums["verify_steps"]:
+            mal = 1 + sums["accepted"] / sums["verify_steps"]
+        source = f"responses ({sums['source']})"
+    per_pos: list = []
+    gauges = None
+    if counters is not None and not counters.from_gauges:
+        rate = counters.acceptance_rate if counters.draft_tokens else rate
+        mal = _tokens_per_pass(counters) or mal
+        per_pos = [a for a in counters.acceptance_per_position if a is not None]
+        source = f"/metrics counters ({counters.source})"
+    elif counters is not None:
+        gauges = {"accept_length_gauge": counters.accept_length_gauge, "accept_rate_gauge": counters.accept_rate_gauge,
+                  "samples": counters.gauge_samples,
+                  "note": "SGLang gauges: last-batch values sampled during the run, not this level's figures"}
     s_tps, p_tps = _tps(spec), (_tps(plain) if plain else None)
     return {"slice": name, "prompts": len(spec), "tokens": toks, "mean_accepted_length": mal, "acceptance_rate": rate,
-            "acceptance_per_position": [a for a in per_pos if a is not None], "plain_tokens_per_s": p_tps,
+            "acceptance_per_position": per_pos, "plain_tokens_per_s": p_tps, "figures_from": source,
+            "response_sums": sums, "gauges": gauges,
             "speculative_tokens_per_s": s_tps, "speedup": s_tps / p_tps if s_tps and p_tps else None}
 
 
-def _tokens_per_pass(spec) -> float | None:
-    """Tokens per target pass where the server counts passes (verispec), else vLLM's
-    1 + accepted / drafts (per verification, bonus token included) or SGLang's gauge."""
+def _tokens_per_pass(spec: SpecCounters) -> float | None:
+    """Tokens per target pass where the server counts passes (verispec), else
+    1 + accepted / verification steps (vLLM, llama.cpp; bonus token included)."""
     return spec.tokens_per_target_pass or spec.mean_acceptance_length
+
+
+def _counters_agree(sums: dict | None, counters: SpecCounters | None) -> bool | None:
+    """Do the answers' own fields add up to the /metrics counters' differences?"""
+    if not sums or counters is None or counters.from_gauges or sums["drafted"] is None:
+        return None
+    return (sums["drafted"] == counters.draft_tokens and sums["accepted"] == counters.accepted_tokens)
 
 
 def _slices(run: EndpointRun, reference: EndpointRun | None) -> dict:
@@ -272,6 +367,7 @@ def _slices(run: EndpointRun, reference: EndpointRun | None) -> dict:
         idx = [i for i, r in enumerate(level.results) if r.slice == name]
         rows.append(_slice_row(name, [level.results[i] for i in idx], [plain[i] for i in idx] if plain else None))
     pooled = _slice_row("pooled", level.results, plain, level.spec)
+    agree = _counters_agree(pooled["response_sums"], level.spec)
     ranked = [r for r in rows if r["speedup"] is not None] or rows
     key = (lambda r: r["speedup"]) if any(r["speedup"] is not None for r in rows) else (
         lambda r: r["mean_accepted_length"] or 0)
@@ -279,9 +375,17 @@ def _slices(run: EndpointRun, reference: EndpointRun | None) -> dict:
     summary = (f"concurrency {level.concurrency}: pooled speedup "
                + (f"{pooled['speedup']:.2f}x" if pooled["speedup"] else "n/a (no separate reference)")
                + (f", {pooled['mean_accepted_length']:.2f} tokens/target pass" if pooled["mean_accepted_length"]
-                  else ""))
+                  else "")
+               + (f", acceptance {pooled['acceptance_rate']:.1%}" if pooled["acceptance_rate"] is not None else "")
+               + (f" (from {pooled['figures_from']})" if pooled["figures_from"] else
+                  ", acceptance unknown: the server publishes no speculative counters")
+               + ("" if agree is None else "; responses agree with /metrics" if agree
+                  else "; responses DISAGREE with /metrics"))
     figures = {"pooled_speedup": pooled["speedup"], "pooled_mean_accepted_length": pooled["mean_accepted_length"],
-               "pooled_acceptance_rate": pooled["acceptance_rate"], "best_slice": best, "worst_slice": worst,
+               "pooled_acceptance_rate": pooled["acceptance_rate"],
+               "pooled_acceptance_per_position": pooled["acceptance_per_position"],
+               "figures_from": pooled["figures_from"], "responses_agree_with_counters": agree,
+               "best_slice": best, "worst_slice": worst, "gauges": pooled["gauges"],
                "server_counters": level.spec.to_dict() if level.spec else None}
     return _check("slices", True, summary, figures, {"slices": rows, "pooled": pooled}, informational=True)
 
@@ -303,7 +407,8 @@ def _load(run: EndpointRun, reference: EndpointRun | None) -> dict:
                        "plain_tokens_per_s": p_tps, "speculative_tokens_per_s": s_tps,
                        "plain_ms_per_token": ms_per_token(ref.results) if ref else None,
                        "speculative_ms_per_token": ms_per_token(lv.results),
-                       "mean_accepted_length": _tokens_per_pass(lv.spec) if lv.spec else None,
+                       "mean_accepted_length": (_tokens_per_pass(lv.spec) if lv.spec and not lv.spec.from_gauges
+                                                else None),
                        "speedup": s_tps / p_tps if s_tps and p_tps else None,
                        "server_counters": lv.spec.to_dict() if lv.spec else None})
     below = [p["batch"] for p in points if p["speedup"] is not None and p["speedup"] < 1]
@@ -315,27 +420,54 @@ def _load(run: EndpointRun, reference: EndpointRun | None) -> dict:
                   {"points": {"short": points}}, informational=True)
 
 
-def _record(run, reference, kind, info, reference_kind, prompts, chat, max_tokens, concurrency, suite_spec,
-            suite_size, started) -> dict:
+def _drafter_record(info: ServerInfo) -> dict:
+    """The drafter, k, policy and rule as the server reports them; "not published" where it does not."""
+    sp = info.speculative
+    if info.kind == "verispec":
+        d = sp.get("drafter")
+        return {"spec": d, "name": d or "none (speculation off)", "k": sp.get("k", "not published"),
+                "policy": sp.get("policy", "not published"), "rule": sp.get("rule", "not published"),
+                "model_files": None}
+    if info.kind == "llama.cpp":
+        n, on = sp.get("slots"), sp.get("slots_speculative")
+        drafting = ("unknown (no /slots)" if n is None else f"speculative in {on} of {n} slots" if on
+                    else "no speculation (no slot drafts)")
+        return {"spec": sp.get("speculative.types"), "name": f"llama.cpp: {drafting}",
+                "k": "not published by llama-server", "policy": "llama.cpp's own (--spec-* flags)",
+                "rule": "not published (llama.cpp verifies with its own sampler)", "model_files": None}
+    if info.kind == "sglang":
+        algo = sp.get("speculative_algorithm")
+        return {"spec": algo, "name": f"SGLang {algo}" if algo else "none", "model_files": None,
+                "k": sp.get("speculative_num_draft_tokens", "not published"),
+                "policy": f"steps {sp.get('speculative_num_steps')}, topk {sp.get('speculative_eagle_topk')}",
+                "rule": "not published"}
+    return {"spec": None, "name": "not published by the server", "k": "not published", "policy": "not published",
+            "rule": "not published", "model_files": None}
+
+
+def _record(run, reference, info: ServerInfo, ref_info: ServerInfo | None, reference_kind, prompts, chat,
+            max_tokens, concurrency, suite_spec, suite_size, started) -> dict:
     import hashlib
     import json
 
     from ..record import PACKAGES, _version
     digest = hashlib.sha256(json.dumps([[p.id, p.slice, p.prompt] for p in prompts]).encode()).hexdigest()
-    drafter = {"spec": info.get("drafter") or "server-side", "name": info.get("drafter") or f"{kind} (server-side)",
-               "k": info.get("k", "?"), "policy": f"FixedK({info['k']})" if "k" in info else "unknown",
-               "model_files": None}
+    drafter = _drafter_record(info)
+    sampling = {"temperature": 0.0, "seed": "none sent (greedy)", "sent": "temperature 0 (greedy)"}
     rec = {
         "started_at": started,
         "target": {"spec": run.model, "name": run.model, "files": None},
         "drafter": drafter,
-        "rule": info.get("rule", "unknown (server-side)"),
-        "engine": {"endpoint": run.url, "server": kind, "reference": reference_kind,
+        "rule": drafter["rule"],
+        "engine": {"endpoint": run.url, "server": info.kind, "version": info.version, "reference": reference_kind,
                    "batch_sizes": list(concurrency), "max_tokens": max_tokens},
-        "endpoint": {"url": run.url, "kind": kind, "model": run.model, "logprobs": run.logprobs,
+        "endpoint": {"url": run.url, "kind": info.kind, "model": run.model, "logprobs": run.logprobs,
                      "reference": reference.url if reference else None, "reference_kind": reference_kind},
-        "seed": 0,
+        "server": info.to_dict(),
+        "reference_server": ref_info.to_dict() if ref_info else None,
+        "seed": sampling["seed"],
         "temperature": 0.0,
+        "sampling": sampling,
         "suite": {"spec": suite_spec, "prompts_audited": len(prompts), "prompts_in_suite": suite_size or len(prompts),
                   "sha256_of_audited_prompts": digest},
         "prompt_format": "chat (the server's template)" if chat else "raw text",
@@ -344,10 +476,16 @@ def _record(run, reference, kind, info, reference_kind, prompts, chat, max_token
         "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
                     "role": "client (the server's machine is not visible)"},
     }
-    rec["retest_triggers"] = [{"trigger": t, "audited": v} for t, v in (
-        ("served model", run.model), ("server software and version", kind),
-        ("drafter / k / rule (server-side)", f"{drafter['name']}, k={drafter['k']}, {rec['rule']}"),
-        ("concurrency beyond the audited levels", list(concurrency)),
-        ("prompt format / chat template", rec["prompt_format"]),
-        ("workload mix (suite slices)", digest[:16]))]
+    rec["retest_triggers"] = [{"trigger": t, "key": key, "audited": v} for key, t, v in (
+        ("model", "served model", run.model),
+        ("model_files", "model files (server-reported path / id)",
+         info.settings.get("model_path") or info.settings.get("model_id") or info.settings.get("model")),
+        ("server", "server software and version", f"{info.kind} {info.version or '(version not published)'}"),
+        ("drafter", "drafter (server-reported)", drafter["name"]),
+        ("k", "draft length k", drafter["k"]),
+        ("rule", "verification rule", drafter["rule"]),
+        ("batch_levels", "concurrency levels audited", list(concurrency)),
+        ("slots", "server batch slots", info.settings.get("total_slots") or info.settings.get("max_running_requests")),
+        ("prompt_format", "prompt format / chat template", rec["prompt_format"]),
+        ("suite", "workload mix (suite slices)", digest[:16]))]
     return rec
