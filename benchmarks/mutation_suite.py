@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from verispec.engine.faults import EXPECTED_CHECK, FAULTS
+from verispec.engine.faults import EXPECTED_CHECK, FAULTS, parse
 
 
 
@@ -54,9 +54,12 @@ def main() -> int:
     ap.add_argument("extra", nargs="*", help="more `verispec audit` arguments, after --")
     args = ap.parse_args()
     faults = [f for f in args.faults.split(",") if f]
-    unknown = [f for f in faults if f not in FAULTS and f != "typical-lossy"]
-    if unknown:
-        ap.error(f"unknown faults: {', '.join(unknown)}; faults: {', '.join(FAULTS)}")
+    for f in faults:
+        if f != "typical-lossy":
+            try:
+                parse(f)
+            except ValueError as e:
+                ap.error(str(e))
     from tqdm import tqdm
     jobs = [(d, None, s) for d in args.drafts.split(",") for s in range(args.seeds)]
     jobs += [(d, f, 0) for d in args.drafts.split(",") for f in faults]
@@ -67,15 +70,17 @@ def main() -> int:
         tqdm.write(f"{d:14s} {str(f or 'none (correct)'):26s} seed {s}: {r['verdict'].upper():5s} "
                    f"{','.join(r['failed']) or '-'} ({r['seconds']:.0f} s)")
     bad = []
-    print(f"\n| drafter | fault | expected check | verdict | failed checks | s |\n|---|---|---|---|---|---|")
+    print("\n| drafter | fault | expected check | verdict | failed checks | expected check failed | s |\n"
+          "|---|---|---|---|---|---|---|")
     for r in rows:
         want = "none" if r["fault"] is None else ("lossy-rule" if r["fault"] == "typical-lossy"
-                                                  else EXPECTED_CHECK.get(r["fault"], "?"))
+                                                  else EXPECTED_CHECK.get(parse(r["fault"])[0], "?"))
         ok = r["verdict"] == "pass" if r["fault"] is None else (r["verdict"] == "fail")
         if not ok:
             bad.append(r)
+        hit = "-" if r["fault"] is None else ("yes" if want in r["failed"] else "no")
         print(f"| {r['draft']} | {r['fault'] or 'none (correct)'} | {want} | {r['verdict']} | "
-              f"{', '.join(r['failed']) or '-'} | {r['seconds']:.0f} |")
+              f"{', '.join(r['failed']) or '-'} | {hit} | {r['seconds']:.0f} |")
     print(f"\n{len(rows) - len(bad)} of {len(rows)} audits gave the right verdict")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

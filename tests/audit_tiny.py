@@ -59,17 +59,30 @@ def tiny_models():
     return target, native_from_hf(d)
 
 
+def tiny_drafter_factory(models, kind: str = "draft-model"):
+    """(max_rows, max_len) -> a drafter: the noisy draft copy, prompt lookup or layer-skip."""
+    from verispec.drafters.layerskip import LayerSkipDrafter
+    from verispec.drafters.lookup import PromptLookupDrafter
+    target, draft = models
+    if kind == "draft-model":
+        return lambda rows, max_len: DraftModelDrafter(draft, V, max_rows=rows, max_len=max_len)
+    if kind == "lookup":
+        return lambda rows, max_len: PromptLookupDrafter(3)
+    if kind == "layerskip":
+        return lambda rows, max_len: LayerSkipDrafter(target, 1)
+    raise ValueError(kind)
+
+
 def tiny_audit(models, *, rule: str = "rejection", fault: str | None = None, seed: int = 0,
-               sizes: AuditSizes = TINY_SIZES, batch_sizes=(1, 4, 8), policy: str = "fixed"):
+               sizes: AuditSizes = TINY_SIZES, batch_sizes=(1, 4, 8), policy: str = "fixed",
+               drafter: str = "draft-model", temperatures=(1.0, 0.4)):
     """Fixed k by default: the faults live in the speculative path, which must run."""
     target, draft = models
-    cfg = AuditConfig(target="tiny-llama", draft="tiny-draft-model", k=3, policy=policy, rule=rule,
-                      batch_sizes=batch_sizes,
+    cfg = AuditConfig(target="tiny-llama", draft=f"tiny-{drafter}", k=3, policy=policy, rule=rule,
+                      batch_sizes=batch_sizes, temperatures=temperatures,
                       sizes=sizes, seed=seed, inject_fault=fault)
     return run_audit(cfg, target=LoadedModel(target, CharTokenizer(), None),
-                     drafter_factory=lambda rows, max_len: DraftModelDrafter(draft, V, max_rows=rows,
-                                                                             max_len=max_len),
-                     prompts=tiny_suite())
+                     drafter_factory=tiny_drafter_factory(models, drafter), prompts=tiny_suite())
 
 
 @contextlib.contextmanager

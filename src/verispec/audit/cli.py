@@ -35,8 +35,26 @@ def _positive_float(s: str) -> float:
     return v
 
 
+def _temperatures(s: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"temperatures must be numbers, got {s!r}") from None
+    if not vals or not all(v > 0 and v != float("inf") for v in vals):
+        raise argparse.ArgumentTypeError(f"temperatures must be finite and > 0, got {s!r}")
+    return tuple(dict.fromkeys(vals))
+
+
+def _fault(s: str) -> str:
+    from ..engine.faults import parse
+    try:
+        parse(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
 def add_audit_parser(sub) -> None:
-    from ..engine.faults import FAULTS
     from ..verify import RULES
 
     a = sub.add_parser("audit", help="audit speculative decoding: equivalence, distribution, "
@@ -66,8 +84,9 @@ def add_audit_parser(sub) -> None:
     a.add_argument("--quick", action="store_true",
                    help="2 prompts per slice, fewer samples: about 3 minutes on 2 cores")
     a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--temperature", type=_positive_float, default=1.0,
-                   help="temperature of the distribution check (default 1.0)")
+    a.add_argument("--temperature", type=_temperatures, default=(1.0, 0.5),
+                   help="comma-separated temperatures of the distribution and seeded checks "
+                        "(default 1,0.5; requests take them in turn)")
     a.add_argument("--top-k", type=int, default=0, help="the deployment's top-k in the distribution check (0 = off)")
     a.add_argument("--top-p", type=float, default=1.0, help="the deployment's top-p (1 = off)")
     a.add_argument("--min-p", type=float, default=0.0, help="the deployment's min-p (0 = off)")
@@ -79,7 +98,7 @@ def add_audit_parser(sub) -> None:
     a.add_argument("--threads", type=_threads, default="auto",
                    help="torch CPU threads, or auto (default): 1 or all cores, whichever decodes faster now")
     a.add_argument("--no-progress", action="store_true", help="no progress bar: one line per finished check")
-    a.add_argument("--inject-fault", choices=list(FAULTS), default=None, help=argparse.SUPPRESS)
+    a.add_argument("--inject-fault", type=_fault, default=None, help=argparse.SUPPRESS)
     a.set_defaults(func=cmd_audit)
 
 
@@ -116,7 +135,7 @@ def config_from_args(args):
                        batch_invariant=args.batch_invariant, rule=args.verify, suite=args.suite,
                        batch_sizes=args.batch_sizes or DEFAULT_BATCH_SIZES[mode],
                        sizes=AuditSizes.quick() if args.quick else AuditSizes.full(),
-                       seed=args.seed, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       seed=args.seed, temperatures=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        min_p=args.min_p, min_verified_drafts=args.min_verified_drafts,
                        prompt_format=args.prompt_format, inject_fault=args.inject_fault)
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..engine import Engine, EngineConfig, GenerationParams, Request
-from ..engine.faults import FAULTS, inject
+from ..engine.faults import inject
+from ..engine.faults import parse as parse_fault
 from ..policy import FixedK
 from ..policy.adaptive import AdaptivePolicy, measure_costs
 from ..sampling import SamplingParams
@@ -68,7 +69,8 @@ class AuditConfig:
     batch_sizes: tuple[int, ...] = (1, 4, 16, 32)
     sizes: AuditSizes = field(default_factory=AuditSizes.full)
     seed: int = 0
-    temperature: float = 1.0  # distribution check
+    # the distribution and seeded checks sample at each of these (requests take them in turn)
+    temperatures: tuple[float, ...] = (1.0, 0.5)
     top_k: int = 0  # the deployment's sampling settings, applied in the distribution check
     top_p: float = 1.0
     min_p: float = 0.0
@@ -86,15 +88,25 @@ class AuditConfig:
             raise ValueError(f"k must be >= 1 (the audit needs drafts to audit), got {self.k}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
-        if not self.temperature > 0:
-            raise ValueError(f"the distribution check needs temperature > 0, got {self.temperature}")
-        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        if not self.temperatures or not all(t > 0 for t in self.temperatures):
+            raise ValueError(f"the distribution check needs temperatures > 0, got {self.temperatures}")
+        for t in self.temperatures:  # ValueError on values the engine refuses
+            SamplingParams(temperature=t, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
         if self.min_verified_drafts < 0:
             raise ValueError(f"min_verified_drafts must be >= 0, got {self.min_verified_drafts}")
         if self.prompt_format not in ("auto", "chat", "raw"):
             raise ValueError(f"prompt_format must be auto, chat or raw, got {self.prompt_format!r}")
-        if self.inject_fault is not None and self.inject_fault not in FAULTS:
-            raise ValueError(f"unknown fault {self.inject_fault!r}; faults: {', '.join(FAULTS)}")
+        if self.inject_fault is not None:
+            parse_fault(self.inject_fault)  # ValueError naming the faults
+
+    @property
+    def temperature(self) -> float:
+        """The first audited temperature."""
+        return self.temperatures[0]
+
+    def temperature_of(self, i: int) -> float:
+        """The temperature of the i-th sampled request: the audited ones in turn."""
+        return self.temperatures[i % len(self.temperatures)]
 
     @property
     def forced_k(self) -> int:
@@ -174,12 +186,12 @@ class AuditContext:
     def greedy_params(self) -> GenerationParams:
         return GenerationParams(max_new_tokens=self.config.sizes.max_new_tokens, stop_token_ids=self.stops)
 
-    def sampled_params(self, seed: int, max_new: int) -> GenerationParams:
+    def sampled_params(self, seed: int, max_new: int, temperature: float | None = None) -> GenerationParams:
         # the seed makes the run reproducible; the rule under audit decides how it is used:
         # keyed noise for `coupled`, a seeded generator (so rejection sampling is what gets
         # tested) for every other rule
         c = self.config
-        s = SamplingParams(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p, min_p=c.min_p, seed=seed,
+        s = SamplingParams(temperature=temperature or c.temperature, top_k=c.top_k, top_p=c.top_p, min_p=c.min_p, seed=seed,
                            coupled=c.rule == "coupled")
         return GenerationParams(max_new_tokens=max_new, sampling=s, ignore_eos=True)
 

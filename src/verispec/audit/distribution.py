@@ -4,10 +4,13 @@ at every emitted position, and test what each mechanism of the rule promises (st
 
 * **pit**: every emitted token, randomised PIT over descending p, KS test;
 * **calibration**: at every verified draft d, the emitted token is d with probability
-  exactly min(1, p(d)/q(d)) (q from the engine's per-step record; 1 for prompt lookup), z-test;
+  exactly min(1, p(d)/q(d)), z-test. q is the audit's own, never the engine's record: one-hot
+  at the draft for prompt lookup, and for a drafter with a model (layer-skip, a draft model)
+  that model teacher-forced on the output under the same sampling settings, so a q that is
+  not the distribution the drafts were drawn from moves the test;
 * **recovered**: tokens emitted in place of a rejected draft follow the residual
-  normalise(max(0, p - q)); q at the rejected position is one-hot for prompt lookup
-  (p without d) and kept by the engine for a drafter with q, up to REJECTED_Q_BYTES;
+  normalise(max(0, p - q)) (for prompt lookup: p without d; a recovered token equal to the
+  rejected draft is then impossible, and counted);
 * **bonus**: tokens after a step whose every draft was kept follow p at their position.
 
 Half the requests run under the deployed policy, half with drafting forced (a fixed k),
@@ -30,28 +33,39 @@ from ..engine import Request
 from ..policy import FixedK
 from ..sampling import logits_to_probs
 from .checks import CheckResult
+from .consistency import oracle_for
 from .context import AuditContext
 from .equivalence import teacher_forced_logits
 from .stats import calibration_test, randomized_pit, test_uniform
 
 ALPHA = 1e-3  # family-wise: false alarms of the correct engine in at most 1 audit in 1,000
 MIN_TOKENS_PER_PIT = 20  # a PIT family with fewer tokens is not run (and not counted in m)
-REJECTED_Q_BYTES = 64 * 2 ** 20  # per sampling run: q rows kept for the recovered-token test
 
 
 def _sample(ctx: AuditContext, reqs: list[Request], batch: int, max_len: int, policy, label: str) -> float:
     engine = ctx.engine(batch, max_len, policy=policy)
-    engine.keep_rejected_q = REJECTED_Q_BYTES // (4 * ctx.model.config.vocab_size)
     t0 = time.perf_counter()
     with ctx.progress.stage(f"distribution: sampling, {label}", len(reqs)) as bar, ctx.fault():
         engine.run(reqs, on_finish=lambda r: bar.advance())
     return time.perf_counter() - t0
 
 
-def _mechanisms(r: Request, p: torch.Tensor):
-    """From one request's per-step record and its teacher-forced p [n_out,V]: verified
-    drafts as (a, kept), recovered tokens as (output index, residual [V]) where q at the
-    rejected position is known (one-hot, or kept by the engine), bonus output indices."""
+def draft_q(oracle, r: Request, V: int) -> torch.Tensor | None:
+    """The drafter's q [n_out, V] at every output position of r, teacher-forced under r's
+    sampling settings (row j: the distribution the draft at output index j was drawn from);
+    None for prompt lookup (q one-hot at its draft)."""
+    if oracle is None or oracle.kind != "model":
+        return None
+    P = len(r.prompt_ids)
+    logits = teacher_forced_logits(oracle.model, r.tokens[:-1], first=P - 1, num_layers=oracle.num_layers)
+    return logits_to_probs(logits[:, :V], r.params.sampling)  # [n_out,V]
+
+
+def _mechanisms(r: Request, p: torch.Tensor, q: torch.Tensor | None = None):
+    """From one request's per-step record, its teacher-forced p [n_out,V] and the drafter's
+    q [n_out,V] (None: one-hot at each draft): verified drafts as (a, kept), recovered
+    tokens as (output index, residual [V]), bonus output indices, and the count of recovered
+    tokens equal to a rejected one-hot draft (impossible under the exact rule)."""
     P = len(r.prompt_ids)
     calib, recovered, bonus, impossible = [], [], [], 0
     for step, ((n0, drafts, acc, _), qd) in enumerate(zip(r.stats.trace, r.stats.draft_q)):
@@ -61,22 +75,22 @@ def _mechanisms(r: Request, p: torch.Tensor):
             j = n0 + i - P  # output index of the token emitted at draft i's position
             if j >= p.shape[0]:
                 break
-            a = 1.0 if qd[i] <= 0 and float(p[j, drafts[i]]) > 0 else min(1.0, float(p[j, drafts[i]]) / max(qd[i], 1e-300))
+            qdi = 1.0 if q is None else float(q[j, drafts[i]])
+            pdi = float(p[j, drafts[i]])
+            a = 1.0 if qdi <= 0 < pdi else min(1.0, pdi / max(qdi, 1e-300))
             # kept = the emitted token there is the draft (not the engine's own count of
             # accepted drafts): a recovered token that may equal d, as one drawn from p
             # instead of the residual, shows up here
             calib.append((a, int(r.output_ids[j] == drafts[i])))
             if i == acc:
-                if step in r.stats.rejected_q:
-                    res = (p[j] - r.stats.rejected_q[step][:p.shape[-1]].to(p.dtype)).clamp_min(0)
-                elif qd[i] == 1.0:  # one-hot q: the residual is p without the draft
+                if q is not None:
+                    res = (p[j] - q[j].to(p.dtype)).clamp_min(0)
+                else:  # one-hot q: the residual is p without the draft
                     res = p[j].clone()
                     res[drafts[i]] = 0.0
                     # the residual never gives the rejected draft back (the zero-residual
                     # guard aside, taken with probability <= RESIDUAL_EPS)
                     impossible += int(r.output_ids[j] == drafts[i] and float(res.sum()) > 1e-6)
-                else:
-                    continue
                 if float(res.sum()) > 1e-6:  # the engine's zero-residual guard samples from p there
                     recovered.append((j, res / res.sum()))
         j = n0 + len(drafts) - P
@@ -103,7 +117,8 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     n_req = math.ceil(sizes.distribution_tokens / max_new)
     # prompt i % n with its own seed: repeated prompts still give independent samples
     prompt_of = [ctx.prompt_ids[i % len(ctx.prompt_ids)] for i in range(n_req)]
-    reqs = [Request(ids, ctx.sampled_params(cfg.seed * 1_000_003 + i, max_new))
+    # the audited temperatures in turn, so each half (deployed policy, forced k) has them all
+    reqs = [Request(ids, ctx.sampled_params(cfg.seed * 1_000_003 + i, max_new, cfg.temperature_of(i)))
             for i, ids in enumerate(prompt_of)]
     batch = min(max(cfg.batch_sizes), n_req)
     max_len = max(map(len, prompt_of)) + max_new
@@ -112,12 +127,14 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
               (reqs[n_req // 2:], f"fixed k={cfg.forced_k}", FixedK(cfg.forced_k))] if forced \
         else [(reqs, f"fixed k={cfg.k}", None)]
     sample_s = 0.0
+    temps = ", ".join(f"{t:g}" for t in cfg.temperatures)
     for part, label, policy in halves:
         if part:
             sample_s += _sample(ctx, part, min(batch, len(part)), max_len, policy,
-                                f"T={cfg.temperature:g}, {label}, b={min(batch, len(part))}")
+                                f"T={temps}, {label}, b={min(batch, len(part))}")
     # teacher-force the target (outside any fault) for its exact p at every emitted position
     g = torch.Generator().manual_seed(cfg.seed)
+    oracle = oracle_for(ctx.drafter_factory(1, 8), ctx.model)  # the drafter's q, recomputed
     us, us_rec, us_bonus, calib, impossible = [], [], [], [], 0
     with ctx.progress.stage("distribution: teacher forcing", n_req) as bar:
         for r in reqs:
@@ -126,7 +143,7 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
             p = logits_to_probs(logits, r.params.sampling)  # [n_out,V]
             out = torch.tensor(r.output_ids)
             us.append(randomized_pit(p, out, g))
-            c, rec, bonus, imp = _mechanisms(r, p)
+            c, rec, bonus, imp = _mechanisms(r, p, draft_q(oracle, r, p.shape[-1]))
             calib += c
             impossible += imp
             if rec:
@@ -173,8 +190,8 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     else:
         summary = (f"{m} tests pass at family-wise alpha {ALPHA:g}: PIT KS p = {pit.p_value:.3g} over "
                    f"{pit.n} tokens, {verified} verified drafts calibrated"
-                   + (f" (z = {calib_res.z:+.2f})" if calib_res is not None else "") + f", T={cfg.temperature:g}")
-    figures = {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p,
+                   + (f" (z = {calib_res.z:+.2f})" if calib_res is not None else "") + f", T={temps}")
+    figures = {"temperature": cfg.temperature, "temperatures": list(cfg.temperatures), "top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p,
                "rule": cfg.rule, "alpha": ALPHA, "alpha_each": alpha_each, "correction": "Bonferroni",
                **pit.to_dict(), "tests": tests, "verified_drafts": verified,
                "min_verified_drafts": cfg.min_verified_drafts, "inconclusive": inconclusive,

@@ -57,6 +57,7 @@ def build_record(ctx: AuditContext, target_files, draft_files, started: str) -> 
                    "max_len_greedy": greedy_len, "dtype": "float32"},
         "seed": cfg.seed,
         "temperature": cfg.temperature,
+        "temperatures": list(cfg.temperatures),
         "suite": {"spec": cfg.suite, "prompts_audited": len(ctx.prompts), "prompts_in_suite": len(ctx.suite),
                   "sha256_of_audited_prompts": _suite_digest(ctx)},
         "prompt_format": "chat template" if ctx.chat else "raw text",

@@ -45,7 +45,7 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
     chosen = order[:cfg.sizes.seeded_prompts] if cfg.sizes.seeded_prompts else order
     prompt_ids = [ctx.prompt_ids[i] for i in chosen]
     n = len(prompt_ids)
-    sampling = [SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
+    sampling = [SamplingParams(temperature=cfg.temperature_of(i), top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
                                seed=cfg.seed * 7_919 + 104_729 * i) for i in range(n)]
 
     def requests():
@@ -54,7 +54,8 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
 
     max_len = max(map(len, prompt_ids)) + max_new
     plain = requests()
-    with ctx.progress.stage(f"seeded: plain, T={cfg.temperature:g}, b=1", n) as bar:
+    temps = ", ".join(f"{t:g}" for t in cfg.temperatures)
+    with ctx.progress.stage(f"seeded: plain, T={temps}, b=1", n) as bar:
         ctx.engine(1, max_len, speculative=False, rule="rejection").run(plain, on_finish=lambda r: bar.advance())
     configs = [(b, None, cfg.policy) for b in cfg.greedy_batch_sizes]
     if cfg.policy != "fixed":
@@ -88,8 +89,9 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
         summary = (f"seeded output identical to seeded plain decoding for {n} prompts at "
                    + ", ".join(f"b{r['batch']}" + ("" if r["policy"] == cfg.policy else f" {r['policy']}")
                                for r in per_config)
-                   + f" (T={cfg.temperature:g}, {drafted} drafts verified)")
-    figures = {"applicable": True, "temperature": cfg.temperature, "prompts": n, "max_new_tokens": max_new,
+                   + f" (T={temps}, {drafted} drafts verified)")
+    figures = {"applicable": True, "temperature": cfg.temperature, "temperatures": list(cfg.temperatures),
+               "prompts": n, "max_new_tokens": max_new,
                "drafts_verified": drafted, "tie_margin": TIE_MARGIN, "near_tie_allowance": allowance,
                "divergences": sum(r["divergence"] for r in per_config),
                "near_ties": sum(r["near-tie"] for r in per_config),

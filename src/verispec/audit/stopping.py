@@ -20,13 +20,43 @@ from .equivalence import first_divergence
 
 
 def _inside_drafts(r: Request) -> bool:
-    """Whether the request's last token (its stop or its m-th token) was a drafted position
-    of its last step: an accepted draft, with the rule's verdict on later drafts discarded."""
+    """Whether the request's stop token was an accepted draft of its last step with the
+    step's run going on past it (later drafts and the bonus token must be dropped)."""
     if not r.stats.trace:
         return False
     n0, drafts, acc, _ = r.stats.trace[-1]
     j = len(r.prompt_ids) + len(r.output_ids) - 1 - n0  # its index in that step's emitted run
     return j < min(acc, len(drafts))
+
+
+def _limit_in_drafted_step(r: Request) -> bool:
+    """Whether the length limit was reached by a step that verified drafts: an exact engine
+    drafts at most max_new_tokens - len(output) - 1 there, so its run ends on the limit; an
+    engine that drafts one more or checks the limit late overshoots."""
+    if not r.stats.trace:
+        return False
+    _, drafts, acc, _ = r.stats.trace[-1]
+    return bool(drafts) and acc == len(drafts)
+
+
+def _accepted_positions(r: Request) -> list[int]:
+    """Output indices of r that were accepted drafts (a step's run went on past them)."""
+    P, out = len(r.prompt_ids), []
+    for n0, drafts, acc, _ in r.stats.trace:
+        out += [n0 - P + i for i in range(min(acc, len(drafts)))]
+    return out
+
+
+def _cut(out: list[int], safe: int, drafted: list[int]) -> tuple[int, int]:
+    """-> (stop position, length) to cut a reference output at: positions where the greedy
+    speculative run had accepted drafts (so a correct engine's run goes on past the cut),
+    the stop token's first occurrence in the output, else the middle and 2/3 of `safe`."""
+    inside = [j for j in drafted if 2 <= j < safe]
+    stop = next((j for j in inside[len(inside) // 2:] + inside if out.index(out[j]) == j), None)
+    if stop is None:
+        stop = out.index(out[(safe - 1) // 2 + 1])
+    length = inside[(2 * len(inside)) // 3] + 1 if inside else max(2, (2 * safe) // 3)
+    return stop, length
 
 
 def stopping_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
@@ -42,12 +72,11 @@ def stopping_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
         safe = min(ds, default=len(out))  # the greedy runs agree on out[:safe]
         if safe < 4:
             continue
-        tok = out[(safe - 1) // 2 + 1]
-        cut = out.index(tok)
+        cut, m = _cut(out, safe, _accepted_positions(got_forced))
+        tok = out[cut]
         stops = tuple(dict.fromkeys(ctx.stops + (tok,)))
         cases.append((i, GenerationParams(max_new_tokens=len(out) + 8, stop_token_ids=stops), out[:cut + 1],
                       "stop"))
-        m = max(2, (2 * safe) // 3)
         if all(t not in ctx.stops for t in out[:m]):
             cases.append((i, GenerationParams(max_new_tokens=m, stop_token_ids=ctx.stops), out[:m], "length"))
     if not cases:
@@ -62,28 +91,35 @@ def stopping_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
         reqs = [Request(ctx.prompt_ids[i], params) for i, params, _, _ in cases]
         with ctx.progress.stage(f"stopping: speculative, {label}, b={b}", len(reqs)) as bar, ctx.fault():
             ctx.engine(min(b, len(reqs)), max_len, policy=policy).run(reqs, on_finish=lambda r: bar.advance())
-        wrong = inside = 0
+        wrong = inside = limits = 0
         for (i, params, want, reason), r in zip(cases, reqs):
             ok = r.output_ids == want and r.finish_reason == reason
-            inside += _inside_drafts(r)
+            if reason == "stop":
+                inside += _inside_drafts(r)
+            else:
+                limits += _limit_in_drafted_step(r)
             if not ok:
                 wrong += 1
                 bad.append({"policy": label, "id": ctx.prompts[i].id, "expected_reason": reason,
                             "got_reason": r.finish_reason, "expected_tokens": len(want),
                             "got_tokens": len(r.output_ids), "first_divergence": first_divergence(want, r.output_ids)})
         per_config.append({"batch": b, "policy": label, "cases": len(reqs), "wrong": wrong,
-                           "ended_inside_drafts": inside, "drafted": sum(r.stats.drafted for r in reqs)})
-    inside = sum(c["ended_inside_drafts"] for c in per_config)
+                           "stops_inside_drafts": inside, "limits_in_drafted_steps": limits,
+                           "drafted": sum(r.stats.drafted for r in reqs)})
+    inside = sum(c["stops_inside_drafts"] for c in per_config)
+    limits = sum(c["limits_in_drafted_steps"] for c in per_config)
     wrong = sum(c["wrong"] for c in per_config)
-    passed = wrong == 0 and inside > 0
+    passed = wrong == 0 and inside + limits > 0
     if wrong:
         summary = (f"{wrong} of {sum(c['cases'] for c in per_config)} cut requests end elsewhere than plain "
                    "decoding's (a stop or length limit mishandled inside accepted drafts)")
-    elif not inside:
-        summary = "INCONCLUSIVE: no stop or length limit fell inside a drafted run"
+    elif not inside + limits:
+        summary = "INCONCLUSIVE: no stop fell inside an accepted run, no length limit in a drafted step"
     else:
         summary = (f"{sum(c['cases'] for c in per_config)} requests cut by a stop token or max_new_tokens end "
-                   f"exactly where plain decoding ends; {inside} of the cuts fell inside drafted runs")
-    figures = {"cases": len(cases), "batch": b, "wrong": wrong, "ended_inside_drafts": inside,
+                   f"exactly where plain decoding ends; {inside} stops fell inside accepted runs, "
+                   f"{limits} length limits were reached by a fully accepted run")
+    figures = {"cases": len(cases), "batch": b, "wrong": wrong, "stops_inside_drafts": inside,
+               "limits_in_drafted_steps": limits,
                "reference": "plain greedy decoding at batch 1, cut at a stop token or length"}
     return CheckResult("stopping", passed, summary, figures, {"per_config": per_config, "wrong": bad[:40]})

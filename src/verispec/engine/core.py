@@ -77,9 +77,6 @@ class Engine:
         self.cache = target.new_cache(config.max_batch, config.max_len + slack)
         if hasattr(drafter, "bind_cache"):
             drafter.bind_cache(self.cache)
-        # the audit sets this: keep q at the rejected position for up to this many rejections
-        # (RequestStats.rejected_q), so it can test recovered tokens against the residual
-        self.keep_rejected_q = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.times = StepTimes()
@@ -223,7 +220,7 @@ class Engine:
         n0 = [len(r.tokens) for r in reqs]  # sequence lengths; cache holds n0 - 1
         # 1. how many drafts per row: the policy's choice, capped by what the row can still emit
         k = self.policy.choose(reqs) if self.drafter is not None else [0] * B
-        k = [max(0, min(kb, r.params.max_new_tokens - len(r.output_ids) - 1)) for kb, r in zip(k, reqs)]
+        k = [max(0, min(kb, self._draft_budget(r))) for kb, r in zip(k, reqs)]
         # 2. propose
         K = max(k)
         t1 = time.perf_counter()
@@ -295,9 +292,6 @@ class Engine:
                 r.stats.draft_q.append(None)
             else:  # no q from the drafter: q is one-hot at its draft (prompt lookup)
                 r.stats.draft_q.append(qd_l[b][:num_l[b]] if qd_l is not None else [1.0] * num_l[b])
-                if self.keep_rejected_q > 0 and q is not None and acc_l[b] < num_l[b]:
-                    self.keep_rejected_q -= 1  # q at the rejected position, for the audit's residual test
-                    r.stats.rejected_q[len(r.stats.trace) - 1] = q[b, acc_l[b]].clone()
             reason = self._append(r, emitted)
             n_out += len(r.output_ids) - r.stats.generated_tokens
             r.stats.generated_tokens = len(r.output_ids)
@@ -361,6 +355,10 @@ class Engine:
             if len(r.output_ids) >= r.params.max_new_tokens:
                 return "length"
         return None
+
+    def _draft_budget(self, r: Request) -> int:
+        """The most drafts row r may verify: a step emits at most k + 1 tokens."""
+        return r.params.max_new_tokens - len(r.output_ids) - 1
 
     def _pending_tokens(self, reqs: list[Request]) -> torch.Tensor:
         return torch.tensor([[r.tokens[-1]] for r in reqs])  # [B,1]

@@ -14,13 +14,22 @@ FAULTS = {
     "rollback-off-by-one": "KV rollback keeps one token too few after each step",
     "positions-not-realigned": "positions of every row continue from the batch's longest row",
     "residual-not-normalised": "recovered tokens drawn from the unnormalised residual by inverse CDF",
-    "draft-no-catchup": "the draft cache skips the last draft token after a bonus token",
+    "draft-no-catchup": "the drafter's state misses the last committed token: the draft cache skips it "
+                        "after a bonus token, prompt lookup matches on a table one token stale, "
+                        "layer-skip drafts from the previous pending token",
     "row-leak": "a row's pending token leaks into its neighbour's verify input every 5th step",
-    "relaxed-acceptance": "drafts accepted with probability min(1, 2 p/q) instead of min(1, p/q)",
+    "relaxed-acceptance": "drafts accepted with probability min(1, c p/q) instead of min(1, p/q) "
+                          "(c = 2; `relaxed-acceptance:C` sets c)",
     "recovered-from-p": "the token after a rejected draft is drawn from p instead of the residual",
     "bonus-previous-position": "the bonus token is drawn from p at the last draft's position",
     "keyed-noise-misaligned": "a verify pass over drafts reads the keyed noise one position late",
     "stop-only-at-run-end": "a stop token is honoured only as the last token of a step's emitted run",
+    "verify-untempered": "a verify pass over drafts scores them with the raw softmax: the request's "
+                         "temperature, top-k, top-p and min-p apply to one-token steps only",
+    "length-off-by-one": "drafts are capped at the tokens left instead of one fewer, and the length "
+                         "limit is checked at the end of a step's emitted run: max_tokens overshoots by one",
+    "draft-q-untempered": "a drafter with q reports its raw softmax as q while it draws the drafts "
+                          "under the request's sampling settings (prompt lookup: q is read as 1/2, not 1)",
 }
 
 # the audit check that is meant to catch each fault (others may fail too)
@@ -35,13 +44,37 @@ EXPECTED_CHECK = {
     "bonus-previous-position": "distribution",
     "keyed-noise-misaligned": "seeded",  # same seed, same bytes: only the seeded check sees it
     "stop-only-at-run-end": "stopping",
+    "verify-untempered": "distribution",  # only at temperatures other than 1 or with top-k/top-p
+    "length-off-by-one": "stopping",
+    "draft-q-untempered": "distribution",
 }
 
 
-def _faulty_rejection(fault: str):
+def parse(name: str) -> tuple[str, float | None]:
+    """'relaxed-acceptance:1.25' -> ('relaxed-acceptance', 1.25); a fault without a
+    parameter -> (name, None). Raises ValueError naming the valid faults."""
+    base, _, arg = name.partition(":")
+    if base not in FAULTS:
+        raise ValueError(f"unknown fault {name!r}; faults: {', '.join(FAULTS)}")
+    if not arg:
+        return base, None
+    if base != "relaxed-acceptance":
+        raise ValueError(f"fault {base!r} takes no parameter (only relaxed-acceptance:C does)")
+    try:
+        c = float(arg)
+    except ValueError:
+        raise ValueError(f"relaxed-acceptance:C needs a number C > 1, got {arg!r}") from None
+    if not c > 1 or c != c or c == float("inf"):
+        raise ValueError(f"relaxed-acceptance:C needs a finite C > 1, got {arg!r}")
+    return base, c
+
+
+def _faulty_rejection(fault: str, scale: float = 2.0):
     """Rejection sampling with one of three mistakes of the kind the audit must catch end to
     end (issue 15); the exact rule is verify/rules.py:rejection."""
     from ..verify import rules
+
+    c = scale if fault == "relaxed-acceptance" else 1.0
 
     def rule(target_probs, draft_probs, draft_tokens, num_drafts, generator):
         valid = rules._check_inputs(target_probs, draft_probs, draft_tokens, num_drafts)  # [B,K]
@@ -53,8 +86,7 @@ def _faulty_rejection(fault: str):
             draft_probs.gather(-1, tok[..., None]).squeeze(-1).double()
         u = torch.ones(B, K, dtype=torch.float64)
         u[valid] = torch.rand(int(valid.sum()), dtype=torch.float64, generator=generator)
-        scale = 2.0 if fault == "relaxed-acceptance" else 1.0
-        n_acc = (valid & (u * q_x < scale * p_x)).long().cumprod(1).sum(1)  # [B]
+        n_acc = (valid & (u * q_x < c * p_x)).long().cumprod(1).sum(1)  # [B]
         pos = n_acc.clone()
         if fault == "bonus-previous-position":
             pos = torch.where(n_acc == num_drafts, (n_acc - 1).clamp(min=0), n_acc)
@@ -72,9 +104,8 @@ def _faulty_rejection(fault: str):
 
 @contextlib.contextmanager
 def inject(name: str):
-    if name not in FAULTS:
-        raise ValueError(f"unknown fault {name!r}; faults: {', '.join(FAULTS)}")
-    from ..drafters import draft_model
+    name, arg = parse(name)
+    from ..drafters import draft_model, layerskip, lookup
     from ..models import llama
     from ..verify import rules
     from . import core
@@ -97,6 +128,10 @@ def inject(name: str):
     elif name == "draft-no-catchup":
         patch(draft_model.DraftModelDrafter, "_unseen",
               staticmethod(lambda seq, cached: seq[max(cached, len(seq) - 1):]))
+        for cls in (lookup.PromptLookupDrafter, layerskip.LayerSkipDrafter):
+            def stale(self, rows, tokens, k, *a, _propose=cls.propose, **kw):  # one token behind
+                return _propose(self, rows, [t[:-1] if len(t) > 1 else t for t in tokens], k, *a, **kw)
+            patch(cls, "propose", stale)
     elif name == "row-leak":
         original = core.Engine._pending_tokens
 
@@ -124,7 +159,44 @@ def inject(name: str):
             return None
         patch(core.Engine, "_append", append)
     elif name in ("relaxed-acceptance", "recovered-from-p", "bonus-previous-position"):
-        patch(rules, "RULES", {**rules.RULES, "rejection": _faulty_rejection(name)})
+        patch(rules, "RULES", {**rules.RULES, "rejection": _faulty_rejection(name, arg or 2.0)})
+    elif name == "verify-untempered":
+        processed = core.logits_to_probs
+
+        def raw_when_verifying(logits, params):  # [1,K+1,V] with K > 0: the verify pass
+            if logits.dim() == 3 and logits.shape[1] > 1 and not params.greedy:
+                return logits.float().softmax(-1)
+            return processed(logits, params)
+        patch(core, "logits_to_probs", raw_when_verifying)
+    elif name == "length-off-by-one":
+        patch(core.Engine, "_draft_budget", lambda self, r: r.params.max_new_tokens - len(r.output_ids))
+
+        def append(self, r, emitted):  # the length limit only at the end of the run
+            for tok in emitted:
+                r.output_ids.append(tok)
+                if not r.params.ignore_eos and tok in r.params.stop_token_ids:
+                    return "stop"
+            return "length" if len(r.output_ids) >= r.params.max_new_tokens else None
+        patch(core.Engine, "_append", append)
+    elif name == "draft-q-untempered":
+        for mod in (layerskip, draft_model):
+            def raw_q(logits, active, i, tokens, sampling, generators, out, probs, *a,
+                      _draw=mod.draft_from_logits, **kw):
+                conf = _draw(logits, active, i, tokens, sampling, generators, out, probs, *a, **kw)
+                if probs is not None:  # drawn under the sampling settings, reported raw
+                    for j, b in enumerate(active):
+                        if not sampling[b].greedy:
+                            probs[b, i, :logits.shape[-1]] = logits[j].float().softmax(-1)
+                return conf
+            patch(mod, "draft_from_logits", raw_q)
+        accept = core.Engine._accept
+
+        def q_is_p(self, b, r, p, q, drafts, num, n0, K):  # no q (prompt lookup): read as p
+            if q is None and K > 0 and self.rule_for(r) == "rejection":
+                q = torch.zeros(len(drafts), K, p.shape[-1])
+                q[b] = p[0, :K]
+            return accept(self, b, r, p, q, drafts, num, n0, K)
+        patch(core.Engine, "_accept", q_is_p)
     try:
         yield
     finally:

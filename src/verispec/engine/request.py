@@ -39,13 +39,11 @@ class RequestStats:
     # per step: (sequence length before the step, drafted tokens, accepted count, drafts the
     # engine asked for); lets the audit recompute what a correct drafter would have proposed
     trace: list[tuple[int, list[int], int, int]] = field(default_factory=list)
-    # per step, aligned with trace: the drafter's q(d) of each draft token (1.0 where q is
-    # one-hot: prompt lookup) for rows verified by rejection or typical-lossy (the audit tests
-    # them against what exact rejection promises); None for greedy and coupled rows
+    # per step, aligned with trace: the drafter's q(d) of each draft token as the engine
+    # verified it (1.0 where q is one-hot: prompt lookup) for rows verified by rejection or
+    # typical-lossy; None for greedy and coupled rows. The audit recomputes q itself and reads
+    # only which steps were verified by a rule that draws with a generator.
     draft_q: list[list[float] | None] = field(default_factory=list)
-    # step index -> q [V] at the rejected position of that step (only where the engine was
-    # asked to keep them: Engine.keep_rejected_q)
-    rejected_q: dict = field(default_factory=dict)
     time_s: float = 0.0  # wall time from admission to finish
 
     def record_step(self, k: int, accepted: int) -> None:
