@@ -7,6 +7,8 @@ that every fault fails the audit (naming a check) and the correct engine passes.
     python3 benchmarks/mutation_suite.py --faults row-leak,recovered-from-p --json out.json
 
 Each audit is a subprocess of the real CLI (what a user runs), one at a time (2 cores).
+Fault audits run with --fail-fast (the verdict is FAIL at the first failed check; the
+checks after it are not run) unless --all-checks.
 Exit status 1 if a fault passes or the correct engine fails.
 """
 
@@ -24,7 +26,7 @@ from verispec.engine.faults import EXPECTED_CHECK, FAULTS, parse
 
 
 
-def audit(draft: str, fault: str | None, seed: int, extra: list[str]) -> dict:
+def audit(draft: str, fault: str | None, seed: int, extra: list[str], fail_fast: bool = True) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "verispec.cli", "audit", "--quick", "--draft", draft, "--seed", str(seed),
                "--out", out, "--no-progress", *extra]
@@ -32,6 +34,8 @@ def audit(draft: str, fault: str | None, seed: int, extra: list[str]) -> dict:
             cmd += ["--inject-fault", fault]
         if fault == "typical-lossy":
             cmd += ["--verify", "typical-lossy"]
+        if fault is not None and fail_fast:
+            cmd += ["--fail-fast"]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         secs = time.perf_counter() - t0
@@ -51,6 +55,7 @@ def main() -> int:
                     help="comma-separated fault names (typical-lossy: the lossy rule)")
     ap.add_argument("--seeds", type=int, default=1, help="correct-engine audits per drafter (seeds 0..N-1)")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--all-checks", action="store_true", help="fault audits run every check (no --fail-fast)")
     ap.add_argument("extra", nargs="*", help="more `verispec audit` arguments, after --")
     args = ap.parse_args()
     faults = [f for f in args.faults.split(",") if f]
@@ -65,7 +70,7 @@ def main() -> int:
     jobs += [(d, f, 0) for d in args.drafts.split(",") for f in faults]
     rows = []
     for d, f, s in tqdm(jobs, desc="audits", unit="audit"):
-        rows.append(audit(d, f, s, args.extra))
+        rows.append(audit(d, f, s, args.extra, fail_fast=not args.all_checks))
         r = rows[-1]
         tqdm.write(f"{d:14s} {str(f or 'none (correct)'):26s} seed {s}: {r['verdict'].upper():5s} "
                    f"{','.join(r['failed']) or '-'} ({r['seconds']:.0f} s)")

@@ -207,3 +207,18 @@ def test_too_few_verified_drafts_is_inconclusive_and_fails(models, tmp_path, mon
     dist = next(c for c in report["checks"] if c["name"] == "distribution")
     assert not dist["passed"] and dist["figures"]["inconclusive"] and "INCONCLUSIVE" in dist["summary"]
     assert report["verdict"] == "fail"
+
+
+def test_fail_fast_stops_after_the_first_failed_check(models, tmp_path):
+    import dataclasses
+
+    from tests import audit_tiny
+    real = audit_tiny.AuditConfig
+    try:
+        audit_tiny.AuditConfig = lambda **kw: dataclasses.replace(real(**kw), fail_fast=True)
+        report = _report(tiny_audit(models, fault="row-leak"), tmp_path)
+    finally:
+        audit_tiny.AuditConfig = real
+    assert report["verdict"] == "fail" and report["failed_checks"] == ["equivalence"]
+    assert [c["name"] for c in report["checks"]] == ["lossy-rule", "equivalence", "record"]
+    assert report["record"]["checks_not_run"] == CHECKS[2:-1]

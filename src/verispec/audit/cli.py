@@ -98,6 +98,9 @@ def add_audit_parser(sub) -> None:
     a.add_argument("--threads", type=_threads, default="auto",
                    help="torch CPU threads, or auto (default): 1 or all cores, whichever decodes faster now")
     a.add_argument("--no-progress", action="store_true", help="no progress bar: one line per finished check")
+    a.add_argument("--fail-fast", action="store_true",
+                   help="stop after the first failed check (the verdict is then FAIL; the report lists "
+                        "the checks not run)")
     a.add_argument("--inject-fault", type=_fault, default=None, help=argparse.SUPPRESS)
     a.set_defaults(func=cmd_audit)
 
@@ -137,7 +140,8 @@ def config_from_args(args):
                        sizes=AuditSizes.quick() if args.quick else AuditSizes.full(),
                        seed=args.seed, temperatures=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        min_p=args.min_p, min_verified_drafts=args.min_verified_drafts,
-                       prompt_format=args.prompt_format, inject_fault=args.inject_fault)
+                       prompt_format=args.prompt_format, inject_fault=args.inject_fault,
+                       fail_fast=args.fail_fast)
 
 
 def cmd_audit(args) -> int:

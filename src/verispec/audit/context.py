@@ -78,6 +78,7 @@ class AuditConfig:
     min_verified_drafts: int = 200
     prompt_format: str = "auto"  # auto | chat | raw; auto = chat when the tokenizer has a template
     inject_fault: str | None = None  # test-only: a name from engine/faults.py
+    fail_fast: bool = False  # stop after the first failed check (the record lists those not run)
 
     def __post_init__(self):
         if self.rule not in RULES:

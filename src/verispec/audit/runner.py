@@ -124,15 +124,22 @@ def run_audit(config: AuditConfig, *, target=None, drafter_factory: DrafterFacto
             return fn(ctx, runs[0])
         return step
 
-    attempt("equivalence", equivalence_step)
-    attempt("distribution", lambda: distribution.distribution_check(ctx))
-    attempt("seeded", lambda: seeded.seeded_check(ctx))
-    attempt("stopping", on_runs("stopping", stopping.stopping_check))
-    attempt("drafter-consistency", on_runs("drafter-consistency", consistency.drafter_consistency_check))
-    attempt("corruption", on_runs("corruption", corruption.corruption_check))
-    attempt("slices", on_runs("slices", speed.slices_check))
-    attempt("load", lambda: load.load_check(ctx))
+    steps = [("equivalence", equivalence_step),
+             ("distribution", lambda: distribution.distribution_check(ctx)),
+             ("seeded", lambda: seeded.seeded_check(ctx)),
+             ("stopping", on_runs("stopping", stopping.stopping_check)),
+             ("drafter-consistency", on_runs("drafter-consistency", consistency.drafter_consistency_check)),
+             ("corruption", on_runs("corruption", corruption.corruption_check)),
+             ("slices", on_runs("slices", speed.slices_check)),
+             ("load", lambda: load.load_check(ctx))]
+    skipped = []
+    for name, fn in steps:
+        if config.fail_fast and any(not c.passed for c in checks):
+            skipped.append(name)  # --fail-fast: the verdict is already FAIL
+        else:
+            attempt(name, fn)
     rec = record.build_record(ctx, getattr(target, "files", None), draft_files, started)
+    rec["checks_not_run"] = skipped
     attempt("record", lambda: record.record_check(rec))
     elapsed = time.perf_counter() - t_start
     rec["elapsed_s"] = round(elapsed, 1)
