@@ -222,3 +222,20 @@ def test_fail_fast_stops_after_the_first_failed_check(models, tmp_path):
     assert report["verdict"] == "fail" and report["failed_checks"] == ["equivalence"]
     assert [c["name"] for c in report["checks"]] == ["lossy-rule", "equivalence", "record"]
     assert report["record"]["checks_not_run"] == CHECKS[2:-1]
+
+
+def test_only_runs_the_checks_asked_for(models, tmp_path):
+    import dataclasses
+
+    from tests import audit_tiny
+    real = audit_tiny.AuditConfig
+    try:
+        audit_tiny.AuditConfig = lambda **kw: dataclasses.replace(real(**kw), only=("stopping",))
+        report = _report(tiny_audit(models, fault="length-off-by-one"), tmp_path)
+    finally:
+        audit_tiny.AuditConfig = real
+    assert [c["name"] for c in report["checks"]] == ["lossy-rule", "stopping", "record"]
+    assert report["failed_checks"] == ["stopping"]  # the greedy runs were made for it
+    assert "equivalence" in report["record"]["checks_not_run"]
+    with pytest.raises(ValueError, match="unknown checks"):
+        real(only=("no-such-check",))

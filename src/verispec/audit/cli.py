@@ -45,6 +45,15 @@ def _temperatures(s: str) -> tuple[float, ...]:
     return tuple(dict.fromkeys(vals))
 
 
+def _checks(s: str) -> tuple[str, ...]:
+    from .context import CHECKS
+    names = tuple(x.strip() for x in s.split(",") if x.strip())
+    bad = [n for n in names if n not in CHECKS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown checks {bad or s!r}; checks: {', '.join(CHECKS)}")
+    return names
+
+
 def _fault(s: str) -> str:
     from ..engine.faults import parse
     try:
@@ -56,6 +65,7 @@ def _fault(s: str) -> str:
 
 def add_audit_parser(sub) -> None:
     from ..verify import RULES
+    from .context import CHECKS
 
     a = sub.add_parser("audit", help="audit speculative decoding: equivalence, distribution, "
                                      "corruption, slices, load; exit 1 on failure",
@@ -101,6 +111,9 @@ def add_audit_parser(sub) -> None:
     a.add_argument("--fail-fast", action="store_true",
                    help="stop after the first failed check (the verdict is then FAIL; the report lists "
                         "the checks not run)")
+    a.add_argument("--only", type=_checks, default=(),
+                   help="comma-separated checks to run (and lossy-rule, record): " + ", ".join(CHECKS)
+                        + "; the verdict then covers only those")
     a.add_argument("--inject-fault", type=_fault, default=None, help=argparse.SUPPRESS)
     a.set_defaults(func=cmd_audit)
 
@@ -141,7 +154,7 @@ def config_from_args(args):
                        seed=args.seed, temperatures=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        min_p=args.min_p, min_verified_drafts=args.min_verified_drafts,
                        prompt_format=args.prompt_format, inject_fault=args.inject_fault,
-                       fail_fast=args.fail_fast)
+                       fail_fast=args.fail_fast, only=args.only)
 
 
 def cmd_audit(args) -> int:

@@ -16,6 +16,9 @@ from ..sampling import SamplingParams
 from ..verify import RULES
 from .suite import SuitePrompt, slices
 
+# the checks that --only can select, in report order (lossy-rule and record always run)
+CHECKS = ("equivalence", "distribution", "seeded", "stopping", "drafter-consistency", "corruption", "slices", "load")
+
 DrafterFactory = Callable[[int, int], Any]  # (max_rows, max_len) -> a Drafter (see drafters/)
 
 
@@ -79,6 +82,7 @@ class AuditConfig:
     prompt_format: str = "auto"  # auto | chat | raw; auto = chat when the tokenizer has a template
     inject_fault: str | None = None  # test-only: a name from engine/faults.py
     fail_fast: bool = False  # stop after the first failed check (the record lists those not run)
+    only: tuple[str, ...] = ()  # run only these checks (and lossy-rule, record); () = all
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -99,6 +103,9 @@ class AuditConfig:
             raise ValueError(f"prompt_format must be auto, chat or raw, got {self.prompt_format!r}")
         if self.inject_fault is not None:
             parse_fault(self.inject_fault)  # ValueError naming the faults
+        unknown = set(self.only) - set(CHECKS)
+        if unknown:
+            raise ValueError(f"unknown checks {sorted(unknown)}; checks: {', '.join(CHECKS)}")
 
     @property
     def temperature(self) -> float:

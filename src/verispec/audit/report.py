@@ -58,7 +58,7 @@ def headline(report: dict) -> list[tuple[str, str]]:
            ("Mode", f"{rec['sizes']['name']}, {rec['suite']['prompts_audited']} prompts, "
                     f"{rec['prompt_format']}, {report['elapsed_s']:.0f} s")]
     if rec.get("checks_not_run"):
-        out.append(("Not run (--fail-fast)", ", ".join(rec["checks_not_run"])))
+        out.append(("Not run (--fail-fast or --only)", ", ".join(rec["checks_not_run"])))
     eq = _check(report, "equivalence")
     if eq:
         out.append(("Exact match (greedy)", ", ".join(f"b{b} {_pct(v)}" for b, v in

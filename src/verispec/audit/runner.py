@@ -113,15 +113,25 @@ def run_audit(config: AuditConfig, *, target=None, drafter_factory: DrafterFacto
     attempt("lossy-rule", lambda: lossy_rule_check(config))
     runs: list[GreedyRuns] = []  # the greedy runs, made by the equivalence step, read by three more
 
+    greedy_failed: list[str] = []
+
+    def get_runs() -> GreedyRuns:
+        if not runs:
+            try:
+                runs.append(greedy_runs(ctx))
+            except Exception as e:  # noqa: BLE001 - attempt() turns it into a failed check
+                greedy_failed.append(f"{type(e).__name__}: {e}")
+                raise
+        return runs[0]
+
     def equivalence_step() -> CheckResult:
-        runs.append(greedy_runs(ctx))
-        return equivalence_check(ctx, runs[0])
+        return equivalence_check(ctx, get_runs())
 
     def on_runs(name: str, fn):
         def step() -> CheckResult:
-            if not runs:
+            if greedy_failed:
                 return CheckResult(name, False, "not run: the greedy runs failed (see equivalence)")
-            return fn(ctx, runs[0])
+            return fn(ctx, get_runs())
         return step
 
     steps = [("equivalence", equivalence_step),
@@ -134,8 +144,8 @@ def run_audit(config: AuditConfig, *, target=None, drafter_factory: DrafterFacto
              ("load", lambda: load.load_check(ctx))]
     skipped = []
     for name, fn in steps:
-        if config.fail_fast and any(not c.passed for c in checks):
-            skipped.append(name)  # --fail-fast: the verdict is already FAIL
+        if (config.fail_fast and any(not c.passed for c in checks)) or (config.only and name not in config.only):
+            skipped.append(name)  # --fail-fast: the verdict is already FAIL; --only: not asked for
         else:
             attempt(name, fn)
     rec = record.build_record(ctx, getattr(target, "files", None), draft_files, started)
