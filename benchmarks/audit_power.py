@@ -4,6 +4,7 @@ size: the smallest c that the distribution check detects in >= 95% of seeds.
     python3 benchmarks/audit_power.py                                   # lookup + layerskip:20, quick + full
     python3 benchmarks/audit_power.py --drafts lookup --sizes quick --validate 1.25:10
     python3 benchmarks/audit_power.py --json power.json --plot benchmarks/audit_power.png
+    python3 benchmarks/audit_power.py --from-report full=verispec-audit/report.json   # simulate only
 
 Two measurements, both of `verispec audit`'s own distribution check (run with --only
 distribution, in process, on SmolLM2-135M):
@@ -80,6 +81,9 @@ def main() -> int:
     ap.add_argument("--sizes", default="quick,full")
     ap.add_argument("--validate", default="quick=1.25:5,full=1.1:2",
                     help="SIZE=C:S,...: S real audits per drafter with relaxed-acceptance:C ('' for none)")
+    ap.add_argument("--from-report", default="",
+                    help="SIZE=PATH,...: simulate from these audits' report.json (their drafter and size) "
+                         "instead of running the correct engine for that size")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="power curves (PNG)")
     args = ap.parse_args()
@@ -94,7 +98,18 @@ def main() -> int:
         validate[size] = (float(c), int(s))
     rng = np.random.default_rng(0)
     rows = []
-    jobs = [(d, s) for d in args.drafts.split(",") for s in args.sizes.split(",")]
+    for item in filter(None, args.from_report.split(",")):
+        size, path = item.split("=", 1)
+        rep = json.loads(Path(path).read_text())
+        check = next(c for c in rep["checks"] if c["name"] == "distribution")
+        a = np.asarray(check["details"]["calibration_a"], dtype=np.float64)
+        curve = {c: simulated_power(a, c, check["figures"]["alpha_each"], rng) for c in GRID}
+        rows.append({"draft": rep["record"]["drafter"]["name"], "size": size, "correct_passed": check["passed"],
+                     "verified_drafts": int(a.size), "mean_a": float(a.mean()),
+                     "share_a_below_1": float((a < 1).mean()), "alpha_each": check["figures"]["alpha_each"],
+                     "seconds": None, "power": curve, "smallest_c_95": next((c for c in GRID if curve[c] >= 0.95), None),
+                     "source": path})
+    jobs = [(d, s) for d in args.drafts.split(",") for s in args.sizes.split(",") if s]
     for draft, size in tqdm(jobs, desc="power", unit="cell"):
         sizes = AuditSizes.quick() if size == "quick" else AuditSizes.full()
         cfg = AuditConfig(target=args.target, draft=draft, sizes=sizes, only=("distribution",),

@@ -18,7 +18,16 @@ def test_defaults():
     assert cfg.target == "smollm2-135m" and cfg.draft == "lookup" and cfg.k == 8
     assert cfg.rule == "rejection" and cfg.suite == "default" and cfg.temperature == 1.0
     assert cfg.batch_sizes == (1, 4, 16, 32) and cfg.sizes == AuditSizes.full()
-    assert cfg.inject_fault is None
+    assert cfg.inject_fault is None and cfg.temperatures == (1.0, 0.5)
+    assert not cfg.fail_fast and cfg.only == ()
+
+
+def test_temperatures_fail_fast_only_and_fault_parameters():
+    cfg = config_from_args(_args("--temperature", "1,0.7,0.3", "--fail-fast", "--only", "distribution,seeded",
+                                 "--inject-fault", "relaxed-acceptance:1.25"))
+    assert cfg.temperatures == (1.0, 0.7, 0.3) and [cfg.temperature_of(i) for i in range(4)] == [1.0, 0.7, 0.3, 1.0]
+    assert cfg.fail_fast and cfg.only == ("distribution", "seeded")
+    assert cfg.inject_fault == "relaxed-acceptance:1.25"
 
 
 def test_quick_and_options():
@@ -43,7 +52,9 @@ def test_inject_fault_is_hidden_from_help():
 
 @pytest.mark.parametrize("argv", [
     ["--batch-sizes", "0,4"], ["--batch-sizes", "a"], ["--k", "0"], ["--temperature", "0"],
-    ["--inject-fault", "nope"], ["--verify", "nope"], ["--prompt-format", "xml"], ["--threads", "0"],
+    ["--inject-fault", "nope"], ["--inject-fault", "relaxed-acceptance:0.5"], ["--inject-fault", "row-leak:2"],
+    ["--temperature", "1,-1"], ["--temperature", "1,x"], ["--temperature", "1,0.001"], ["--only", "nope"],
+    ["--verify", "nope"], ["--prompt-format", "xml"], ["--threads", "0"],
 ])
 def test_usage_errors_exit_2(argv):
     with pytest.raises(SystemExit) as e:

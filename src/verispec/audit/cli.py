@@ -40,8 +40,10 @@ def _temperatures(s: str) -> tuple[float, ...]:
         vals = tuple(float(x) for x in s.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"temperatures must be numbers, got {s!r}") from None
-    if not vals or not all(v > 0 and v != float("inf") for v in vals):
-        raise argparse.ArgumentTypeError(f"temperatures must be finite and > 0, got {s!r}")
+    from ..sampling import MIN_TEMPERATURE
+    if not vals or not all(MIN_TEMPERATURE <= v < float("inf") for v in vals):
+        raise argparse.ArgumentTypeError(f"temperatures must be finite and at least {MIN_TEMPERATURE:g} "
+                                         f"(the distribution check samples), got {s!r}")
     return tuple(dict.fromkeys(vals))
 
 

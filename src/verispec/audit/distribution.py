@@ -200,4 +200,7 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
                "acceptance_rate": accepted / drafted if drafted else None,
                "mean_accepted_length": tokens / sum(r.stats.target_passes for r in reqs),
                "sampling_tokens_per_s": tokens / sample_s if sample_s else None}
-    return CheckResult("distribution", passed, summary, figures)
+    # every verified draft's exact acceptance probability: what benchmarks/audit_power.py
+    # replays to measure this check's power against relaxed acceptance rules
+    details = {"calibration_a": [round(a, 6) for a, _ in calib]}
+    return CheckResult("distribution", passed, summary, figures, details)
