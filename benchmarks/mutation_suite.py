@@ -8,7 +8,8 @@ that every fault fails the audit (naming a check) and the correct engine passes.
 
 Each audit is a subprocess of the real CLI (what a user runs), one at a time (2 cores).
 Fault audits run with --fail-fast (the verdict is FAIL at the first failed check; the
-checks after it are not run) unless --all-checks.
+checks after it are not run) unless --all-checks; the lossy rule runs every check, so
+that the table shows whether the statistics fail it too, not only its name.
 Exit status 1 if a fault passes or the correct engine fails.
 """
 
@@ -26,7 +27,8 @@ from verispec.engine.faults import EXPECTED_CHECK, FAULTS, parse
 
 
 
-def audit(draft: str, fault: str | None, seed: int, extra: list[str], fail_fast: bool = True) -> dict:
+def audit(draft: str, fault: str | None, seed: int, extra: list[str], fail_fast: bool = True,
+          only: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "verispec.cli", "audit", "--quick", "--draft", draft, "--seed", str(seed),
                "--out", out, "--no-progress", *extra]
@@ -34,7 +36,9 @@ def audit(draft: str, fault: str | None, seed: int, extra: list[str], fail_fast:
             cmd += ["--inject-fault", fault]
         if fault == "typical-lossy":
             cmd += ["--verify", "typical-lossy"]
-        if fault is not None and fail_fast:
+        if only:
+            cmd += ["--only", only]
+        if fault not in (None, "typical-lossy") and fail_fast:  # the lossy rule: every check, to see the statistics
             cmd += ["--fail-fast"]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -56,6 +60,10 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=1, help="correct-engine audits per drafter (seeds 0..N-1)")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--all-checks", action="store_true", help="fault audits run every check (no --fail-fast)")
+    ap.add_argument("--first-seed", type=int, default=0, help="correct-engine seeds start here")
+    ap.add_argument("--seed-only", default=None,
+                    help="correct-engine audits after the first seed run only these checks (the seed "
+                         "enters only the sampled checks: distribution,seeded; the rest repeat seed 0's)")
     ap.add_argument("extra", nargs="*", help="more `verispec audit` arguments, after --")
     args = ap.parse_args()
     faults = [f for f in args.faults.split(",") if f]
@@ -66,11 +74,14 @@ def main() -> int:
             except ValueError as e:
                 ap.error(str(e))
     from tqdm import tqdm
-    jobs = [(d, None, s) for d in args.drafts.split(",") for s in range(args.seeds)]
+    jobs = [(d, None, s) for d in args.drafts.split(",")
+            for s in range(args.first_seed, args.first_seed + args.seeds)]
     jobs += [(d, f, 0) for d in args.drafts.split(",") for f in faults]
     rows = []
     for d, f, s in tqdm(jobs, desc="audits", unit="audit"):
-        rows.append(audit(d, f, s, args.extra, fail_fast=not args.all_checks))
+        only = args.seed_only if f is None and s != args.first_seed else None
+        rows.append(audit(d, f, s, args.extra, fail_fast=not args.all_checks, only=only))
+        rows[-1]["only"] = only
         r = rows[-1]
         tqdm.write(f"{d:14s} {str(f or 'none (correct)'):26s} seed {s}: {r['verdict'].upper():5s} "
                    f"{','.join(r['failed']) or '-'} ({r['seconds']:.0f} s)")
