@@ -23,7 +23,7 @@ def test_endpoint_run_under_concurrency(server):
     cfg = EndpointConfig(server.url + "/v1", chat=False, max_tokens=12, concurrency=(1, 4), logprobs=True)
     run = audit_endpoint(cfg, PROMPTS)
     assert run.model == "tiny" and run.kind == "verispec"
-    assert run.logprobs is False  # verispec refuses logprobs: the client dropped them and went on
+    assert run.logprobs is True  # verispec scores each answer with the target (temperature 1)
     for level in run.levels:
         assert [r.id for r in level.results] == [p.id for p in PROMPTS]
         for p, r in zip(PROMPTS, level.results):
@@ -31,6 +31,8 @@ def test_endpoint_run_under_concurrency(server):
             want, reason = reference_text(p.prompt, 12)
             assert (r.text, r.finish_reason) == (want, reason)  # equal to plain decoding
             assert r.latency_s > 0 and r.completion_tokens >= 1
+            assert len(r.token_ids) == r.completion_tokens and all(m is not None and m >= 0 for m in r.top2_margins)
+            assert all(t[0][0] == w for t, w in zip(r.top, r.tokens))  # greedy: the emitted token is top-1
         s = level.summary()
         assert s["errors"] == 0 and s["tokens_per_s"] > 0
         assert level.spec.source == "verispec" and level.spec.draft_tokens > 0

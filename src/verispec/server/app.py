@@ -42,6 +42,7 @@ from .protocol import (
     Speculation,
     check_chat,
     check_completion,
+    logprobs_wanted,
     parse,
     resolve_speculation,
     stop_list,
@@ -110,6 +111,7 @@ class ServerState:
             "max_batch": str(engine.config.max_batch), "max_len": str(self.max_len)})
         self.worker = EngineWorker(engine, self.metrics, config.max_queue)
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="verispec-tokenize")
+        self._score_pool = ThreadPoolExecutor(1, thread_name_prefix="verispec-score")
         self.created = int(time.time())
         # shutdown (event loop only): draining refuses new requests; drain_expired also
         # refuses those that were still being tokenized when the drain timeout ran out
@@ -212,6 +214,33 @@ class ServerState:
         if not ids:
             raise OpenAIError(400, "the prompt tokenizes to no tokens", param="prompt", code="invalid_value")
         return ids
+
+    def _score(self, prompt_ids: list[int], token_ids: list[int], top: int) -> list[dict]:
+        """The target's log-probabilities of each emitted token and its `top` likeliest
+        alternatives (temperature 1, no top-k/top-p/min-p): one teacher-forced pass over
+        prompt + answer in a fresh one-row cache (the engine's cache is not touched)."""
+        import torch
+        if not token_ids:
+            return []
+        target = self.engine.target
+        ids = list(prompt_ids) + list(token_ids)
+        cache = target.new_cache(1, len(ids))
+        rows = cache.alloc()
+        logits = target.forward(torch.tensor([ids[:-1]], dtype=torch.long), cache, rows)  # [1,T-1,V]
+        lp = torch.log_softmax(logits[0, len(prompt_ids) - 1:].double(), dim=-1)  # [M,V]
+        chosen = lp.gather(-1, torch.tensor(token_ids)[:, None]).squeeze(-1).tolist()  # sync: M floats
+        top_v, top_i = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
+        top_v, top_i = top_v.tolist(), top_i.tolist()  # sync: M x top
+
+        def entry(i: int, v: float) -> dict:
+            text = self.tokenizer.decode([i])
+            return {"id": i, "token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
+        return [{**entry(t, c), "top_logprobs": [entry(i, v) for i, v in zip(ti, tv)]}
+                for t, c, ti, tv in zip(token_ids, chosen, top_i, top_v)]
+
+    async def score(self, prompt_ids: list[int], token_ids: list[int], top: int) -> list[dict]:
+        return await asyncio.get_running_loop().run_in_executor(self._score_pool, self._score, prompt_ids,
+                                                                token_ids, top)
 
     async def chat_ids(self, req: ChatRequest) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -484,7 +513,8 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
         meta = {"id": rid, "created": int(time.time()), "model": state.config.model_name}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSE(_stream(handle, meta, spec, chat, len(ids), include_usage), handle.cancel, headers)
+            return _SSE(_stream(handle, meta, spec, chat, ids, include_usage, logprobs_wanted(req, chat)),
+                        handle.cancel, headers)
         try:
             waiter = asyncio.ensure_future(handle.wait())
             watcher = asyncio.ensure_future(_until_disconnect(request))
@@ -503,11 +533,13 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
                               code=code)
         usage = {"prompt_tokens": len(ids), "completion_tokens": handle.completion_tokens,
                  "total_tokens": len(ids) + handle.completion_tokens}
+        top = logprobs_wanted(req, chat)
+        lps = _logprobs_object(await state.score(ids, handle.token_ids, top), chat) if top is not None else None
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": handle.text},
-                      "logprobs": None, "finish_reason": handle.finish_reason}
+                      "logprobs": lps, "finish_reason": handle.finish_reason}
         else:
-            choice = {"index": 0, "text": handle.text, "logprobs": None, "finish_reason": handle.finish_reason}
+            choice = {"index": 0, "text": handle.text, "logprobs": lps, "finish_reason": handle.finish_reason}
         body = {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                 "usage": usage, "verispec": _verispec_info(spec, handle)}
         return JSONResponse(body, headers=headers)
@@ -517,16 +549,17 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
                 "drafter": state.metrics.info["drafter"] if spec.speculate else None,
                 "k": state.k if spec.speculate else 0, **handle.stats.to_dict()}
 
-    async def _stream(handle: RequestHandle, meta: dict, spec: Speculation, chat: bool, n_prompt: int,
-                      include_usage: bool):
+    async def _stream(handle: RequestHandle, meta: dict, spec: Speculation, chat: bool, prompt_ids: list[int],
+                      include_usage: bool, top: int | None):
         obj = "chat.completion.chunk" if chat else "text_completion"
+        n_prompt = len(prompt_ids)
 
-        def chunk(text: str | None, finish: str | None, first: bool = False, **extra) -> str:
+        def chunk(text: str | None, finish: str | None, first: bool = False, logprobs=None, **extra) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             return _sse({**meta, "object": obj, "choices": [choice], **extra})
 
         if chat:
@@ -541,6 +574,9 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
                 yield _sse(OpenAIError(status, message, type="server_error" if status >= 500 else
                                        "invalid_request_error", code=code).body())
             elif value != "cancelled":
+                if top is not None:  # scored once the answer is complete: one chunk, every token
+                    yield chunk(None, None, logprobs=_logprobs_object(
+                        await state.score(prompt_ids, handle.token_ids, top), chat))
                 yield chunk(None, value, verispec=_verispec_info(spec, handle))
                 if include_usage:
                     yield _sse({**meta, "object": obj, "choices": [], "usage": {
@@ -550,6 +586,15 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
             return
 
     return app
+
+
+def _logprobs_object(entries: list[dict], chat: bool) -> dict:
+    """OpenAI's logprobs object: chat {"content": [...]}; completions the legacy lists."""
+    if chat:
+        return {"content": entries}
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "token_ids": [e["id"] for e in entries]}
 
 
 # -- running it ----------------------------------------------------------------------

@@ -180,10 +180,31 @@ def stop_list(stop) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+def _check_logprobs(req: _Common, top: int, param: str) -> None:
+    """logprobs are the target's own (temperature 1, before top-k/top-p/min-p), scored by a
+    teacher-forced pass over prompt + answer once the answer is complete; one per token
+    emitted, so a stop string (which may end the text inside a token) is refused with them."""
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise OpenAIError(400, f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {top}", param=param,
+                          code="invalid_value")
+    if stop_list(req.stop):
+        raise unsupported(param, "logprobs together with stop strings")
+
+
+def logprobs_wanted(req: _Common, chat: bool) -> int | None:
+    """How many alternatives per token the request asked for (None: no logprobs)."""
+    if chat:
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
 def check_completion(req: CompletionRequest) -> None:
     check_common(req)
     if req.logprobs is not None:
-        raise unsupported("logprobs", "logprobs (the engine does not return token probabilities)")
+        _check_logprobs(req, req.logprobs, "logprobs")
     if req.echo:
         raise unsupported("echo")
     if req.best_of not in (None, 1):
@@ -194,8 +215,10 @@ def check_completion(req: CompletionRequest) -> None:
 
 def check_chat(req: ChatRequest) -> None:
     check_common(req)
-    if req.logprobs or req.top_logprobs:
-        raise unsupported("logprobs", "logprobs (the engine does not return token probabilities)")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    if req.logprobs:
+        _check_logprobs(req, req.top_logprobs or 0, "top_logprobs")
     if req.tools:
         raise unsupported("tools")
     if req.response_format and req.response_format.get("type", "text") != "text":

@@ -86,6 +86,7 @@ class RequestHandle:
         self.finish_reason: str | None = None
         self.error: tuple[int, str, str] | None = None
         self.completion_tokens = 0
+        self.token_ids: list[int] = []  # every token emitted (logprobs are scored over them)
         self.stats = StepStats()
         self.worker: EngineWorker | None = None
         self._engine_done = False  # the engine has let go of the request, or was told to
@@ -127,6 +128,7 @@ class RequestHandle:
             self._end("error")
             return
         self.completion_tokens += len(ids)
+        self.token_ids += ids
         self.stats = stats
         final = engine_reason is not None
         delta = self.decoder.add(ids) + (self.decoder.flush() if final else "")

@@ -42,7 +42,10 @@ class EndpointConfig:
     chat: bool = True  # /v1/chat/completions (the server applies its chat template) or /v1/completions
     max_tokens: int = 64
     concurrency: tuple[int, ...] = (1, 8)  # load levels: concurrent clients
-    logprobs: bool = False  # ask for logprobs (top 2); dropped if the server refuses them
+    logprobs: bool = False  # ask for logprobs (top_logprobs alternatives); dropped if the server refuses them
+    top_logprobs: int = 2
+    temperature: float = 0.0  # 0: greedy; > 0 with `sampler` holding every other sampler setting
+    sampler: dict | None = None  # sent as is (top_k, top_p, min_p, penalties, ...: explicit, server by server)
     timeout_s: float = 300.0
     extra_body: dict | None = None  # e.g. {"verispec": {"speculate": False}}: the reference on one server
 
@@ -66,6 +69,8 @@ class PromptResult:
     tokens: list[str] | None = None  # token texts, where the server returns logprobs
     token_logprobs: list[float] | None = None  # chosen tokens' logprobs, likewise
     top2_margins: list[float | None] | None = None  # logprob(top1) - logprob(top2) per token
+    token_ids: list[int | None] | None = None  # the emitted tokens' ids where the server gives them
+    top: list[list[tuple]] | None = None  # per token: [(id or token text, logprob), ...] as returned
     server_info: dict | None = None  # the response's speculative fields (counters.response_spec), if any
 
     @property
@@ -146,16 +151,17 @@ class EndpointClient:
         return r.text if r.status_code == 200 else None
 
     def _body(self, model: str, prompt: str) -> tuple[str, dict]:
-        body = {"model": model, "max_tokens": self.cfg.max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}, **(self.cfg.extra_body or {})}
+        body = {"model": model, "max_tokens": self.cfg.max_tokens, "temperature": self.cfg.temperature,
+                "stream": True, "stream_options": {"include_usage": True}, **(self.cfg.sampler or {}),
+                **(self.cfg.extra_body or {})}
         if self.cfg.chat:
             body["messages"] = [{"role": "user", "content": prompt}]
             if self.logprobs:
-                body.update(logprobs=True, top_logprobs=2)
+                body.update(logprobs=True, top_logprobs=self.cfg.top_logprobs)
             return "/v1/chat/completions", body
         body["prompt"] = prompt
         if self.logprobs:
-            body["logprobs"] = 2
+            body["logprobs"] = self.cfg.top_logprobs
         return "/v1/completions", body
 
     async def complete(self, model: str, pid: str, slice_: str, prompt: str) -> PromptResult:
@@ -170,7 +176,7 @@ class EndpointClient:
         res = PromptResult(pid, slice_)
         path, body = self._body(model, prompt)
         t0 = time.perf_counter()
-        parts, toks, lps, margins = [], [], [], []
+        parts, toks, lps, margins, ids, tops = [], [], [], [], [], []
         try:
             async with self.http.stream("POST", path, json=body) as r:
                 if r.status_code != 200:
@@ -210,7 +216,7 @@ class EndpointClient:
                             parts.append(text)
                         if ch.get("finish_reason"):
                             res.finish_reason = ch["finish_reason"]
-                        _collect_logprobs(ch.get("logprobs"), self.cfg.chat, toks, lps, margins)
+                        _collect_logprobs(ch.get("logprobs"), self.cfg.chat, toks, lps, margins, ids, tops)
         except (httpx.HTTPError, httpx.StreamError) as e:  # refused, reset, cut mid-stream, timed out
             res.error = f"{type(e).__name__}: {e}"
             return res
@@ -221,27 +227,35 @@ class EndpointClient:
         res.text = "".join(parts)
         if lps:
             res.tokens, res.token_logprobs, res.top2_margins = toks, lps, margins
+            res.token_ids, res.top = ids, tops
         return res
 
 
-def _collect_logprobs(lp, chat: bool, toks: list, lps: list, margins: list) -> None:
-    """Chat: {"content": [{"logprob", "top_logprobs": [{"logprob"}...]}]}; completions:
-    {"token_logprobs": [...], "top_logprobs": [{token: logprob}, ...]}."""
+def _collect_logprobs(lp, chat: bool, toks: list, lps: list, margins: list, ids: list, tops: list) -> None:
+    """Chat: {"content": [{"token", "logprob", "id"?, "top_logprobs": [{"token", "logprob", "id"?}]}]};
+    completions: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "token_ids"?}.
+    A token is keyed by its id where the server gives one (llama.cpp, verispec), else its text."""
     if not lp:
         return
     if chat:
         for item in lp.get("content") or []:
             toks.append(item.get("token") or "")
             lps.append(item.get("logprob"))
-            top = sorted((t.get("logprob") for t in item.get("top_logprobs") or []), reverse=True)
-            margins.append(top[0] - top[1] if len(top) >= 2 else None)
+            ids.append(item.get("id"))
+            top = [(t.get("id", t.get("token")), t.get("logprob")) for t in item.get("top_logprobs") or []]
+            tops.append(top)
+            vals = sorted((v for _, v in top if v is not None), reverse=True)
+            margins.append(vals[0] - vals[1] if len(vals) >= 2 else None)
     else:
-        tops, texts = lp.get("top_logprobs") or [], lp.get("tokens") or []
+        tl, texts, tids = lp.get("top_logprobs") or [], lp.get("tokens") or [], lp.get("token_ids") or []
         for i, v in enumerate(lp.get("token_logprobs") or []):
             toks.append(texts[i] if i < len(texts) else "")
             lps.append(v)
-            top = sorted((tops[i] or {}).values(), reverse=True) if i < len(tops) else []
-            margins.append(top[0] - top[1] if len(top) >= 2 else None)
+            ids.append(tids[i] if i < len(tids) else None)
+            top = list((tl[i] or {}).items()) if i < len(tl) else []
+            tops.append(top)
+            vals = sorted((v for _, v in top), reverse=True)
+            margins.append(vals[0] - vals[1] if len(vals) >= 2 else None)
 
 
 async def run_endpoint(cfg: EndpointConfig, prompts: Iterable, on_result=None) -> EndpointRun:

@@ -33,10 +33,12 @@ from dataclasses import replace
 import httpx
 
 from .client import EndpointConfig, EndpointRun, PromptResult, audit_endpoint
+from .compare import CompareError, comparison_check, compare_reports, load_report
 from .counters import SpecCounters
 from .kinds import ServerInfo, probe
 from .null import ALPHA as NULL_ALPHA
 from .null import Comparison, compare, verdict
+from .sampled import distribution_figures, sampled_run, sampler_settings
 
 WORD = re.compile(r"\w+|[^\w\s]|\s+")
 
@@ -78,6 +80,11 @@ def add_endpoint_arguments(a) -> None:
                    help="max_tokens per request (default 64)")
     a.add_argument("--raw", dest="endpoint_raw", action="store_true",
                    help="send raw prompts to /v1/completions instead of chat messages")
+    a.add_argument("--sampled-tokens", type=int, default=2048,
+                   help="tokens sampled at temperature 1 for the distribution check (0: skip; default 2048)")
+    a.add_argument("--compare-to", default=None, metavar="OLD/report.json",
+                   help="compare with an earlier endpoint audit: changed re-test triggers, moved acceptance and "
+                        "speedup; exit 1 when equivalence got worse or a speedup fell beyond its noise")
     a.add_argument("--null-repeats", type=_at_least_one, default=1,
                    help="run the null (reference vs itself) this many times, pooled (default 1)")
 
@@ -90,11 +97,17 @@ def cmd_endpoint_audit(args) -> int:
     suite = load_suite(args.suite)
     prompts = select_prompts(suite, 2 if getattr(args, "quick", False) else None)
     try:
+        previous = load_report(args.compare_to) if args.compare_to else None
+    except CompareError as e:
+        print(f"verispec audit --endpoint: {e}", file=sys.stderr)
+        return 2
+    try:
         report = run_endpoint_audit(args.endpoint, prompts, reference_url=args.reference_endpoint,
                                     model=args.endpoint_model, api_key=args.endpoint_api_key,
                                     chat=not args.endpoint_raw, max_tokens=args.endpoint_max_tokens,
                                     concurrency=args.concurrency, suite_spec=args.suite, suite_size=len(suite),
-                                    null_repeats=args.null_repeats)
+                                    null_repeats=args.null_repeats, sampled_tokens=args.sampled_tokens,
+                                    previous=previous)
     except EndpointError as e:
         print(f"verispec audit --endpoint: cannot audit: {e}", file=sys.stderr)
         return 2
@@ -123,14 +136,17 @@ def _run(cfg: EndpointConfig, prompts: list, what: str) -> EndpointRun:
 def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = None, model: str | None = None,
                        api_key: str | None = None, chat: bool = True, max_tokens: int = 64,
                        concurrency: tuple[int, ...] = (1, 8), suite_spec: str = "default",
-                       suite_size: int | None = None, alpha: float = NULL_ALPHA, null_repeats: int = 1) -> dict:
+                       suite_size: int | None = None, alpha: float = NULL_ALPHA, null_repeats: int = 1,
+                       sampled_tokens: int = 0, previous: dict | None = None) -> dict:
     """Run the endpoint, its reference and the reference's null runs over the prompts; the
     report as a dict in the offline audit's format (audit.report.write_reports renders it).
 
     Runs, in order: the base (reference at concurrency 1), the endpoint at every level,
     the reference again at every level (the null; also the plain speed). Without a
     reference, the endpoint itself is base and null (at concurrency 1 only). null_repeats:
-    how many times the null runs (pooled)."""
+    how many times the null runs (pooled). sampled_tokens > 0: the distribution check at
+    temperature 1 over about that many tokens (sampled.py). previous: an earlier endpoint
+    audit's report, compared with this one as a gate (compare.py)."""
     if null_repeats < 1:
         raise ValueError(f"null_repeats must be >= 1, got {null_repeats}")
     t0 = time.perf_counter()
@@ -171,21 +187,36 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
         checks.append(_check("lossy-rule", not lossy, f"server rule {rule!r} is " + ("LOSSY" if lossy else "exact"),
                              {"rule": rule, "lossy": lossy}))
     checks.append(_equivalence(tests, nulls, base, reference_kind, ref_cfg is not None, alpha))
+    if sampled_tokens:
+        try:
+            srun = sampled_run(cfg, info.kind, prompts, sampled_tokens, max(concurrency))
+        except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
+            raise EndpointError(f"the sampled run at {cfg.base}: {type(e).__name__}: {e}") from None
+        checks.append(_distribution(srun, sampled_tokens, info.kind))
     checks.append(_corruption(run, base_results))
     checks.append(_slices(run, reference))
     checks.append(_load(run, reference))
     record = _record(run, reference, info, ref_info, reference_kind, prompts, chat, max_tokens, concurrency,
                      suite_spec, suite_size, started)
+    dist = next((c for c in checks if c["name"] == "distribution"), None)
+    if dist is not None:
+        record["sampling"]["distribution_check"] = {"sent": dist["figures"]["sampler_sent"], "seed": "none sent",
+                                                    "top_logprobs": dist["figures"]["top_logprobs"]}
     checks.append(_check("record", True, f"endpoint {run.url} ({info.kind} {info.version or 'version unknown'}), "
                                          f"model {run.model}; {len(record['retest_triggers'])} re-test triggers",
                          {"kind": info.kind, "version": info.version, "model": run.model}, informational=True))
     failed = [c["name"] for c in checks if not c["passed"]]
     samples = [{"slice": p.slice, "prompt": p.prompt, "reference": r.text or "", "speculative": g.text or ""}
                for p, r, g in list(zip(prompts, base_results, run.levels[-1].results))[:6]]
-    return {"verdict": "fail" if failed else "pass", "failed_checks": failed,
-            "elapsed_s": round(time.perf_counter() - t0, 1), "checks": checks, "record": record,
-            "samples": samples, "endpoint_runs": {"endpoint": run.to_dict(), "base": base.to_dict(),
-                                                  "reference": null_run.to_dict()}}
+    report = {"verdict": "fail" if failed else "pass", "failed_checks": failed,
+              "elapsed_s": round(time.perf_counter() - t0, 1), "checks": checks, "record": record,
+              "samples": samples, "endpoint_runs": {"endpoint": run.to_dict(), "base": base.to_dict(),
+                                                    "reference": null_run.to_dict()}}
+    if previous is not None:  # --compare-to: the gate against an earlier audit
+        report["checks"].append(comparison_check(compare_reports(previous, report)))
+        report["failed_checks"] = [c["name"] for c in report["checks"] if not c["passed"]]
+        report["verdict"] = "fail" if report["failed_checks"] else "pass"
+    return report
 
 
 def _check(name, passed, summary, figures=None, details=None, informational=False) -> dict:
@@ -253,6 +284,18 @@ def _equivalence(tests: list[Comparison], nulls: dict[int, Comparison], base: En
     return _check("equivalence", not failures, summary, figures,
                   {"per_batch": per_batch, "prompts": rows, "null_prompts": null_rows, "null": v["null"],
                    "tables": tables})
+
+
+def _distribution(srun: EndpointRun, budget: int, kind: str) -> dict:
+    f = distribution_figures(srun, min_tokens=min(200, budget))
+    if f["p_value"] is None:
+        summary = f["reason"]
+    else:
+        summary = (f"randomised PIT over top-{f['top_logprobs']} + tail, {f['n']} tokens at T=1 (every other "
+                   f"sampler setting sent as off): KS p = {f['p_value']:.3g}, D = {f['ks_statistic']:.3f}"
+                   + (f"; {f['reason']}" if f["reason"] else "") + f"; scored with {f['scored_with']}")
+    f["sampler_sent"] = {"temperature": 1.0, **sampler_settings(kind)}
+    return _check("distribution", f["passed"], summary, f, {"answers": f["answers"]})
 
 
 def _pseudo_tokens(text: str) -> list[int]:

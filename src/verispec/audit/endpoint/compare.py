@@ -1,0 +1,220 @@
+"""Re-test as a gate: `verispec audit --endpoint URL --compare-to OLD/report.json`.
+
+The deployment checklist says: re-test on every draft-model, target-model or batching
+change. This compares a new endpoint audit with an earlier one:
+
+* triggers: which re-test triggers of the record changed (served model and its files,
+  server software and version, drafter, k, rule, concurrency levels, slots, prompt
+  format, workload);
+* figures: per slice (at concurrency 1) and per load level, acceptance and speedup in
+  both runs, each with a 95% interval from the per-prompt figures, and the change with
+  its interval. Speedup per prompt is the endpoint's tokens/s over the reference's on
+  the same prompt at the same level; runs are summarised by the geometric mean (the mean
+  of log ratios, a t interval over prompts). Acceptance per prompt is accepted / drafted
+  from the answers' own speculative fields, where the server gives them;
+* gate: it fails when equivalence got worse (the old audit passed it and the new one
+  does not, or a level's divergence count rose by a one-sided Fisher exact test at
+  ALPHA) or when a speedup fell beyond its noise (a one-sided Welch t test of the log
+  speedups per prompt, ALPHA over all levels and slices compared, Bonferroni).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from scipy import stats as sps
+
+from .null import fisher_greater
+
+ALPHA = 0.01
+LEVEL = 0.95
+
+
+class CompareError(ValueError):
+    """The old report cannot be compared (missing, not an endpoint audit, unreadable)."""
+
+
+def load_report(path: str | Path) -> dict:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "report.json"
+    try:
+        report = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise CompareError(f"--compare-to: {p} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise CompareError(f"--compare-to: {p} is not a readable report.json ({e})") from None
+    if not isinstance(report, dict) or "endpoint_runs" not in report or "record" not in report:
+        raise CompareError(f"--compare-to: {p} is not the report of an endpoint audit (no endpoint_runs)")
+    return report
+
+
+def _mean_ci(xs: list[float]) -> tuple[float | None, float | None, float | None]:
+    """(mean, low, high) of a t interval; (mean, None, None) for fewer than two values."""
+    if not xs:
+        return None, None, None
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, None, None
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    h = sps.t.ppf(0.5 + LEVEL / 2, len(xs) - 1) * sd / math.sqrt(len(xs))
+    return m, m - h, m + h
+
+
+def _diff_ci(a: list[float], b: list[float]) -> tuple[float | None, float | None, float | None, float | None]:
+    """(mean(b) - mean(a), low, high, one-sided p that b's mean is below a's): Welch's t."""
+    if len(a) < 2 or len(b) < 2:
+        ma, mb = _mean_ci(a)[0], _mean_ci(b)[0]
+        return (mb - ma if ma is not None and mb is not None else None), None, None, None
+    ma, mb = sum(a) / len(a), sum(b) / len(b)
+    va = sum((x - ma) ** 2 for x in a) / (len(a) - 1) / len(a)
+    vb = sum((x - mb) ** 2 for x in b) / (len(b) - 1) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return mb - ma, mb - ma, mb - ma, (0.0 if mb < ma else 1.0)
+    df = (va + vb) ** 2 / ((va ** 2 / (len(a) - 1)) + (vb ** 2 / (len(b) - 1)))
+    h = sps.t.ppf(0.5 + LEVEL / 2, df) * se
+    return mb - ma, mb - ma - h, mb - ma + h, float(sps.t.cdf((mb - ma) / se, df))
+
+
+def _tps(r: dict) -> float | None:
+    if r.get("error") or not r.get("latency_s") or not r.get("completion_tokens"):
+        return None
+    return r["completion_tokens"] / r["latency_s"]
+
+
+def per_prompt(report: dict) -> dict[int, list[dict]]:
+    """Per level: [{"id", "slice", "log_speedup", "acceptance"}] from a report's raw runs."""
+    runs = report["endpoint_runs"]
+    ref = runs.get("reference") if report["record"]["endpoint"].get("reference") else None  # None: no plain run
+    ref_levels = {lv["concurrency"]: {r["id"]: r for r in lv["results"]} for lv in (ref or {}).get("levels", [])}
+    out: dict[int, list[dict]] = {}
+    for lv in runs["endpoint"]["levels"]:
+        rows = []
+        refs = ref_levels.get(lv["concurrency"], {})
+        for r in lv["results"]:
+            s, p = _tps(r), _tps(refs.get(r["id"], {}))
+            info = r.get("server_info") or {}
+            acc = info["accepted"] / info["drafted"] if info.get("drafted") else None
+            rows.append({"id": r["id"], "slice": r["slice"], "acceptance": acc,
+                         "log_speedup": math.log(s / p) if s and p else None})
+        out[lv["concurrency"]] = rows
+    return out
+
+
+def _summary(rows: list[dict], key: str) -> dict:
+    xs = [r[key] for r in rows if r[key] is not None]
+    m, lo, hi = _mean_ci(xs)
+    if key == "log_speedup":
+        return {"n": len(xs), "value": math.exp(m) if m is not None else None,
+                "low": math.exp(lo) if lo is not None else None, "high": math.exp(hi) if hi is not None else None}
+    return {"n": len(xs), "value": m, "low": lo, "high": hi}
+
+
+def _moved(old: list[dict], new: list[dict], key: str) -> dict:
+    a = [r[key] for r in old if r[key] is not None]
+    b = [r[key] for r in new if r[key] is not None]
+    d, lo, hi, p_drop = _diff_ci(a, b)
+    return {"old": _summary(old, key), "new": _summary(new, key), "change": d, "low": lo, "high": hi,
+            "p_drop": p_drop, "scale": "log ratio" if key == "log_speedup" else "difference"}
+
+
+def _equivalence_levels(report: dict) -> dict[int, dict]:
+    eq = next((c for c in report["checks"] if c["name"] == "equivalence"), None)
+    if eq is None:
+        return {}
+    return {r["batch"]: r for r in eq["details"]["per_batch"]}
+
+
+def compare_reports(old: dict, new: dict, alpha: float = ALPHA) -> dict:
+    """The comparison of two endpoint audits: triggers, figures per slice and level, the gate."""
+    ot = {t.get("key", t["trigger"]): t for t in old["record"]["retest_triggers"]}
+    nt = {t.get("key", t["trigger"]): t for t in new["record"]["retest_triggers"]}
+    triggers = [{"key": k, "trigger": (nt.get(k) or ot.get(k))["trigger"],
+                 "old": ot[k]["audited"] if k in ot else "(not recorded)",
+                 "new": nt[k]["audited"] if k in nt else "(not recorded)"}
+                for k in list(dict.fromkeys([*ot, *nt]))
+                if (ot.get(k) or {}).get("audited") != (nt.get(k) or {}).get("audited")]
+    po, pn = per_prompt(old), per_prompt(new)
+    levels = []
+    for c in sorted(set(po) & set(pn)):
+        levels.append({"batch": c, "speedup": _moved(po[c], pn[c], "log_speedup"),
+                       "acceptance": _moved(po[c], pn[c], "acceptance")})
+    slices = []
+    c1 = min(set(po) & set(pn), default=None)
+    if c1 is not None:
+        for name in dict.fromkeys(r["slice"] for r in pn[c1]):
+            o = [r for r in po[c1] if r["slice"] == name]
+            n = [r for r in pn[c1] if r["slice"] == name]
+            if o and n:
+                slices.append({"slice": name, "batch": c1, "speedup": _moved(o, n, "log_speedup"),
+                               "acceptance": _moved(o, n, "acceptance")})
+    failures = []
+    rows = levels + slices
+    for row in rows:  # one-sided Welch tests, Bonferroni over the rows: alpha in all
+        s = row["speedup"]
+        if s["p_drop"] is not None and s["p_drop"] < alpha / len(rows):
+            where = f"slice {row['slice']}" if "slice" in row else f"c={row['batch']}"
+            failures.append(f"{where}: speedup fell {s['old']['value']:.2f}x -> {s['new']['value']:.2f}x "
+                            f"(log speedup {s['change']:+.3f}, {LEVEL:.0%} interval {s['low']:+.3f}..{s['high']:+.3f}; "
+                            f"one-sided p = {s['p_drop']:.2g} < {alpha / len(rows):.2g})")
+    eo, en = _equivalence_levels(old), _equivalence_levels(new)
+    old_eq = next((c["passed"] for c in old["checks"] if c["name"] == "equivalence"), None)
+    new_eq = next((c["passed"] for c in new["checks"] if c["name"] == "equivalence"), None)
+    if old_eq and new_eq is False:
+        failures.append("equivalence passed before and fails now")
+    eq_levels = []
+    for c in sorted(set(eo) & set(en)):
+        do = eo[c]["prompts"] - eo[c]["identical"]
+        dn = en[c]["prompts"] - en[c]["identical"]
+        p = fisher_greater(dn, en[c]["prompts"], do, eo[c]["prompts"])
+        eq_levels.append({"batch": c, "old_divergences": do, "new_divergences": dn, "old_prompts": eo[c]["prompts"],
+                          "new_prompts": en[c]["prompts"], "fisher_p": p})
+        if p < alpha:
+            failures.append(f"c={c}: divergences rose {do}/{eo[c]['prompts']} -> {dn}/{en[c]['prompts']} "
+                            f"(Fisher p = {p:.2g} < {alpha:g})")
+    return {"old_started_at": old["record"].get("started_at"), "new_started_at": new["record"].get("started_at"),
+            "old_verdict": old.get("verdict"), "triggers_changed": triggers, "levels": levels, "slices": slices,
+            "equivalence": eq_levels, "failures": failures, "passed": not failures, "alpha": alpha,
+            "interval": LEVEL}
+
+
+def _fmt(s: dict, speed: bool) -> str:
+    if s["value"] is None:
+        return "-"
+    f = (lambda x: f"{x:.2f}x") if speed else (lambda x: f"{x:.1%}")
+    return f(s["value"]) + (f" [{f(s['low'])}, {f(s['high'])}]" if s["low"] is not None else "") + f" n={s['n']}"
+
+
+def _fmt_change(m: dict) -> str:
+    if m["change"] is None:
+        return "-"
+    return f"{m['change']:+.3f}" + (f" [{m['low']:+.3f}, {m['high']:+.3f}]" if m["low"] is not None else "")
+
+
+def comparison_check(cmp: dict) -> dict:
+    """The comparison as a check of the new report (fails the audit when the gate fails)."""
+    changed = ", ".join(t["key"] for t in cmp["triggers_changed"]) or "none"
+    summary = (f"against the audit of {cmp['old_started_at']}: triggers changed: {changed}; "
+               + ("; ".join(cmp["failures"]) if cmp["failures"] else "no equivalence or speedup regression"))
+    rows = []
+    for r in cmp["levels"] + cmp["slices"]:
+        rows.append([r.get("slice", "all"), r["batch"], _fmt(r["speedup"]["old"], True),
+                     _fmt(r["speedup"]["new"], True), _fmt_change(r["speedup"]),
+                     _fmt(r["acceptance"]["old"], False), _fmt(r["acceptance"]["new"], False),
+                     _fmt_change(r["acceptance"])])
+    tables = [("Compared with the earlier audit: re-test triggers that changed", ["trigger", "before", "now"],
+               [[t["trigger"], t["old"], t["new"]] for t in cmp["triggers_changed"]] or [["(none)", "-", "-"]]),
+              (f"Compared with the earlier audit: speedup and acceptance ({cmp['interval']:.0%} intervals over "
+               "prompts; speedup change on the log scale)",
+               ["slice", "batch", "speedup before", "speedup now", "change (log)", "acceptance before",
+                "acceptance now", "change"], rows),
+              ("Compared with the earlier audit: divergences per level",
+               ["batch", "before", "now", "Fisher p (rose)"],
+               [[e["batch"], f"{e['old_divergences']}/{e['old_prompts']}", f"{e['new_divergences']}/{e['new_prompts']}",
+                 f"{e['fisher_p']:.3g}"] for e in cmp["equivalence"]])]
+    return {"name": "compare", "passed": cmp["passed"], "informational": False, "summary": summary,
+            "elapsed_s": 0.0, "figures": {k: v for k, v in cmp.items() if k not in ("levels", "slices")},
+            "details": {"levels": cmp["levels"], "slices": cmp["slices"], "tables": tables}}

@@ -1,0 +1,81 @@
+"""The distribution check from outside (audit/endpoint/sampled.py): the top-n + tail PIT is
+exactly uniform under exact sampling whatever n is, and the endpoint audit fails
+`verispec serve --verify typical-lossy` on the statistics alone while the exact rule passes."""
+
+import random
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from tests.server.helpers import LiveServer, make_state
+from verispec.audit.endpoint.runner import run_endpoint_audit
+from verispec.audit.endpoint.sampled import pit_top_n, sampler_settings
+from verispec.audit.suite import SuitePrompt
+
+
+@pytest.mark.parametrize("n", [1, 3, 20])
+def test_pit_top_n_is_uniform_under_exact_sampling(n):
+    rng = np.random.default_rng(0)
+    r = random.Random(1)
+    us, tails = [], 0
+    for _ in range(4000):
+        p = rng.dirichlet(np.full(50, 0.3))
+        x = int(rng.choice(50, p=p))
+        order = np.argsort(-p)[:n]
+        got = pit_top_n(x, [(int(i), float(np.log(p[i]))) for i in order], r)
+        us.append(got[0])
+        tails += not got[1]
+    assert sps.kstest(us, "uniform").pvalue > 1e-3
+    assert (tails > 0) == (n < 50)
+
+
+def test_pit_top_n_sees_a_bias_toward_likely_tokens():
+    rng = np.random.default_rng(0)
+    r = random.Random(1)
+    us = []
+    for _ in range(2000):
+        p = rng.dirichlet(np.full(50, 0.3))
+        q = p ** 1.5 / (p ** 1.5).sum()  # sharper than p: likely tokens too often
+        x = int(rng.choice(50, p=q))
+        us.append(pit_top_n(x, [(int(i), float(np.log(p[i]))) for i in np.argsort(-p)[:5]], r)[0])
+    assert sps.kstest(us, "uniform").pvalue < 1e-6 and np.mean(us) < 0.45
+
+
+def test_pit_top_n_refuses_what_is_not_a_distribution():
+    r = random.Random(0)
+    assert pit_top_n(1, [], r) is None
+    assert pit_top_n(1, [(1, 0.0), (2, 0.0)], r) is None  # two tokens of probability 1
+    assert pit_top_n("a", [("a", None)], r) is None
+
+
+def test_every_sampler_setting_is_sent():
+    s = sampler_settings("llama.cpp")
+    assert s["top_k"] == 0 and s["top_p"] == 1.0 and s["min_p"] == 0.0 and s["typical_p"] == 1.0
+    assert s["repeat_penalty"] == 1.0 and s["mirostat"] == 0 and s["dry_multiplier"] == 0.0
+    assert sampler_settings("vllm")["top_k"] == -1
+
+
+PROMPTS = [SuitePrompt(f"s{i}", ("a", "b")[i % 2], t) for i, t in enumerate(
+    ["abc abc abc", "hello there", "the quick brown fox", "one, two, three", "lorem ipsum dolor", "xyzzy plugh"])]
+
+
+def _dist(report):
+    return next(c for c in report["checks"] if c["name"] == "distribution")
+
+
+@pytest.mark.parametrize("rule", ["rejection", "typical-lossy"])
+def test_typical_lossy_fails_on_statistics_and_the_exact_rule_passes(rule):
+    with LiveServer(make_state(drafter="draft", k=3, rule=rule)) as s:
+        report = run_endpoint_audit(s.url, PROMPTS, chat=False, max_tokens=32, concurrency=(4,),
+                                    sampled_tokens=1536)
+    d = _dist(report)
+    f = d["figures"]
+    assert f["n"] >= 1400 and f["failed_answers"] == 0 and f["sampler_sent"]["top_k"] == 0
+    if rule == "rejection":
+        assert d["passed"], d["summary"]
+        assert report["verdict"] == "pass", report["failed_checks"]
+    else:
+        # the verdict comes from the sampled tokens, not from the rule's name the server publishes
+        assert not d["passed"] and f["p_value"] < 1e-3 and f["mean_u"] < 0.5, d["summary"]
+        assert "distribution" in report["failed_checks"]
