@@ -68,8 +68,9 @@ PROMPTS = [SuitePrompt("ok1", "a", "fine prompt"), SuitePrompt("err", "a", "ERR 
            SuitePrompt("ok2", "b", "another fine one")]
 
 
-def test_errors_and_cut_streams_are_recorded_not_raised(flaky):
-    report = run_endpoint_audit(flaky, PROMPTS, reference_url=flaky, concurrency=(1, 2), max_tokens=8)
+def test_errors_and_cut_streams_are_recorded_not_raised(flaky, tmp_path):
+    report = run_endpoint_audit(flaky, PROMPTS, reference_url=flaky, concurrency=(1, 2), max_tokens=8,
+                                sampled_tokens=40)
     eq = next(c for c in report["checks"] if c["name"] == "equivalence")
     assert not eq["passed"] and "inconclusive" in eq["summary"]
     rows = {(r["batch"], r["id"]): r for r in eq["details"]["prompts"]}
@@ -79,6 +80,12 @@ def test_errors_and_cut_streams_are_recorded_not_raised(flaky):
     results = {r["id"]: r for r in report["endpoint_runs"]["endpoint"]["levels"][0]["results"]}
     assert "malformed stream chunk" in results["junk"]["error"]
     assert results["cut"]["error"]  # a cut stream is an error, never a short "answer"
+    # no logprobs at all: the distribution check is inconclusive, a failure that says why
+    d = next(c for c in report["checks"] if c["name"] == "distribution")
+    assert not d["passed"] and d["summary"].startswith("inconclusive")
+    from verispec.audit.report import write_reports
+    paths = write_reports(report, tmp_path / "r")  # and the report still renders
+    assert "inconclusive" in paths["md"].read_text()
     assert report["record"]["server"]["kind"] == "unknown"
     assert any("unparseable" in n for n in report["record"]["server"]["notes"])
 

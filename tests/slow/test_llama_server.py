@@ -91,3 +91,17 @@ def test_speculative_run_reports_the_counters(servers, prompts):
     eq = next(c for c in report["checks"] if c["name"] == "equivalence")
     print(eq["summary"], sl)
     assert eq["passed"], eq["summary"]
+
+
+def test_sampled_distribution_of_the_speculative_server(servers, prompts):
+    """At temperature 1 with every llama.cpp sampler setting sent as off, the speculative
+    server's tokens follow its own logprobs (the top-20 + tail PIT passes)."""
+    from verispec.audit.endpoint.client import EndpointConfig
+    from verispec.audit.endpoint.sampled import distribution_figures, sampled_run
+    _, spec = servers
+    run = sampled_run(EndpointConfig(spec.url, max_tokens=48), "llama.cpp", prompts, 1024, 8)
+    f = distribution_figures(run)
+    assert f["failed_answers"] == 0 and f["n"] >= 900 and f["unscored_tokens"] == 0
+    assert f["passed"], f
+    drafted = sum((r.server_info or {}).get("drafted") or 0 for lv in run.levels for r in lv.results)
+    assert drafted > 0  # the sampled answers were speculative

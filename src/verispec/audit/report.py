@@ -67,7 +67,7 @@ def headline(report: dict) -> list[tuple[str, str]]:
     d = _check(report, "distribution")
     if d:
         f = d["figures"]
-        out.append(("Distribution (PIT KS)", f"p = {f['p_value']:.3g}, D = {f['ks_statistic']:.4f}, "
+        out.append(("Distribution (PIT KS)", f"p = {_f(f['p_value'], '.3g')}, D = {_f(f['ks_statistic'], '.4f')}, "
                                              f"n = {f['n']} tokens at T={f['temperature']:g}"))
     sd = _check(report, "seeded")
     if sd and sd["figures"].get("applicable"):
@@ -162,7 +162,7 @@ def plot_pngs(report: dict) -> dict[str, bytes]:
         fig.tight_layout()
     else:
         fig, ax = plt.subplots(figsize=(6, 3.4))
-        if d:
+        if d and d["figures"].get("histogram"):  # an inconclusive check has no histogram
             f = d["figures"]
             hist = f["histogram"]
             width = 1 / len(hist)
