@@ -5,6 +5,7 @@ at the same time, one engine step of each in turn (--interleave step).
     python benchmarks/bench_adaptive.py --target smollm2-135m --draft lookup --batches 1,4,16
     python benchmarks/bench_adaptive.py --target smollm2-135m --draft layerskip:20
     python benchmarks/bench_adaptive.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --batches 1,4
+    python benchmarks/bench_adaptive.py --backend ggml --target qwen2.5-coder-1.5b --draft lookup
 
 Prints a table of speedup over plain decoding; --plot writes a PNG.
 
@@ -79,8 +80,13 @@ def main():
                     help="also run plain decoding a second time as a configuration: the noise floor")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--backend", default="auto", choices=("auto", "native", "ggml"),
+                    help="the target's (and a draft model's) backend; ggml: the GGUF as shipped")
+    ap.add_argument("--threads", type=int, default=None, help="torch (and ggml) threads")
     args = ap.parse_args()
-    loaded = load_model(args.target, progress=False)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.target, progress=False, backend=args.backend)
     target, tok = loaded.model, loaded.tokenizer
     batches = [int(b) for b in args.batches.split(",")]
     fixed = [int(k) for k in args.fixed.split(",")]
@@ -188,7 +194,7 @@ def main():
         tqdm.write(f"batch {b:>2} {sl:<14} plain {d['plain']:.2f} tok/s; " + ", ".join(
             f"{c} {d[c] / d['plain']:.2f}x ({dc[c] / dc['plain']:.2f}x)" for c in configs[1:])
             + "  [full batch (closed batch)]", file=sys.stdout)
-    print(f"\n{args.target} with {args.draft}, greedy, {args.max_new} new tokens, chat template; "
+    print(f"\n{args.target} ({target.backend}) with {args.draft}, greedy, {args.max_new} new tokens, chat template; "
           f"decode throughput (prefill excluded), {args.load} requests per batch slot"
           f"{f' (batch {args.batches})' if ',' in args.load else ''}"
           f"{f' (at most {args.max_requests} per cell)' if args.max_requests else ''}; median over {args.rounds} "

@@ -103,7 +103,8 @@ def cmd_generate(args) -> int:
               file=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, progress=not args.json, batch_invariant=args.batch_invariant)
+    loaded = load_model(args.model, progress=not args.json, batch_invariant=args.batch_invariant,
+                        backend=args.backend)
     tok, target = loaded.tokenizer, loaded.model
     stops = tuple(target.config.eos_token_ids) + ((tok.eos_token_id,) if tok.eos_token_id is not None else ())
     ids = [encode_prompt(tok, p, args.chat) for p in prompts]
@@ -177,6 +178,15 @@ def cmd_models(args) -> int:
     raise UsageError("usage: verispec models {list,pull}")
 
 
+def add_backend_argument(parser) -> None:
+    from .models import BACKENDS
+    parser.add_argument("--backend", default="auto", choices=["auto", *BACKENDS],
+                        help="native: the fp32 runtime on converted weights (the reference); ggml: "
+                             "llama.cpp on the GGUF file as shipped (pip install 'verispec[gguf]'); "
+                             "auto (default): ggml for a .gguf path when installed, else native. "
+                             "A draft model runs on the target's backend")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .verify import RULES
 
@@ -212,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     g.add_argument("--threads", type=_positive_int, default=None)
+    add_backend_argument(g)
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise batch-invariant numerics: output independent of batch and speculation")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")

@@ -90,7 +90,7 @@ def apply_halt(halt, i: int, active: list[int], k: list[int], conf, num: torch.T
 def make_drafter(spec: str | None, target, target_tokenizer, *, max_rows: int, max_len: int,
                  progress: bool = True):
     """Build a drafter from a CLI/server spec: None|'none', 'lookup[:N]', 'layerskip:N',
-    or a model (preset name, directory, GGUF file, hub id)."""
+    or a model (preset name, directory, GGUF file, hub id), loaded on the target's backend."""
     if spec is None or spec == "none":
         return None
     if spec == "lookup" or spec.startswith("lookup:"):
@@ -106,7 +106,7 @@ def make_drafter(spec: str | None, target, target_tokenizer, *, max_rows: int, m
         return LayerSkipDrafter(target, n)
     from ..models import load_model
     from .draft_model import DraftModelDrafter
-    loaded = load_model(spec, progress=progress)
+    loaded = load_model(spec, progress=progress, backend=getattr(target, "runtime", None))
     return DraftModelDrafter(loaded.model, target.config.vocab_size, max_rows=max_rows,
                              max_len=max_len, draft_tokenizer=loaded.tokenizer,
                              target_tokenizer=target_tokenizer, name=spec)

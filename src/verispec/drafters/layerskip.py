@@ -17,6 +17,9 @@ class LayerSkipDrafter:
     halts = True  # propose() takes a halt rule (see drafters/__init__.py)
 
     def __init__(self, target, num_layers: int):
+        if not getattr(target, "partial_layers", True):  # the CausalLM protocol says whether it can
+            from ..models.ggml import LAYER_SKIP_UNSUPPORTED, UnsupportedFeatureError
+            raise UnsupportedFeatureError(f"{target.runtime} backend: {LAYER_SKIP_UNSUPPORTED}")
         L = target.config.num_layers
         if not 1 <= num_layers < L:
             raise ValueError(f"layerskip:N needs 1 <= N < {L} (the target's layer count), got {num_layers}")

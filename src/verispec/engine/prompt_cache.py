@@ -22,7 +22,7 @@ class PromptCache:
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         self.max_tokens = max_tokens
-        self._store: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._store: OrderedDict[tuple, object] = OrderedDict()  # ids -> cache.snapshot(row)
         self._tokens = 0
         self.hits = self.misses = 0
 
@@ -37,14 +37,10 @@ class PromptCache:
             self.misses += 1
             return False
         self._store.move_to_end(key)
-        k, v = hit  # [L, Hkv, T, D]
-        T = k.shape[2]
-        if T > cache.max_len:
+        if len(key) > cache.max_len:
             self.misses += 1
             return False
-        cache.k[:, row, :, :T] = k
-        cache.v[:, row, :, :T] = v
-        cache.lengths[row] = T
+        cache.restore(row, hit)
         self.hits += 1
         return True
 
@@ -56,7 +52,7 @@ class PromptCache:
             return
         if int(cache.lengths[row]) != T:
             raise ValueError(f"row {row} holds {int(cache.lengths[row])} tokens, not the {T} given")
-        self._store[key] = (cache.k[:, row, :, :T].clone(), cache.v[:, row, :, :T].clone())
+        self._store[key] = cache.snapshot(row)  # the backend's own copy of the row (KVCache.snapshot)
         self._tokens += T
         while self._tokens > self.max_tokens:
             old, _ = self._store.popitem(last=False)

@@ -1,4 +1,10 @@
-"""Models: the CausalLM protocol, the native Llama-family runtime, loaders and presets.
+"""Models: the CausalLM protocol, its backends, loaders and presets.
+
+Backends, one module or folder each, chosen by load_model(spec, backend=...):
+    native   llama.py (+ cache.py, attention.py, fastlinear.py): the Llama-family runtime in
+             fp32 on converted weights; the reference, and the only batch-invariant backend
+    ggml     ggml/: llama.cpp through llama-cpp-python on the GGUF file as shipped (quantized);
+             the `gguf` extra
 
 CausalLM protocol (what the engine relies on)::
 
@@ -10,6 +16,13 @@ CausalLM protocol (what the engine relies on)::
     fingerprint() -> str                a stable identity of its weights: what caches
                                         keyed on the model key on (the adaptive policy's
                                         measured costs, policy/costs.py; not the engine)
+    runtime: str                        the backend's name in BACKENDS (a draft model is
+                                        loaded on its target's runtime)
+    partial_layers: bool                forward takes num_layers < L (layer-skip drafting);
+                                        False on ggml, whose forward then raises
+
+The cache new_cache returns keeps KVCache's interface (models/cache.py): alloc, free,
+truncate, lengths, in_use, max_rows, max_len, rows_in_use, snapshot, restore.
 
 The models layer knows nothing of speculation.
 """
@@ -38,6 +51,12 @@ class CausalLM(Protocol):
 
     def fingerprint(self) -> str: ...
 
+    runtime: str
+    partial_layers: bool
+
+
+BACKENDS = ("native", "ggml")
+
 
 @dataclass
 class LoadedModel:
@@ -46,10 +65,28 @@ class LoadedModel:
     files: Any  # loading.ModelFiles: where the weights came from (hashes for the audit)
 
 
-def load_model(spec: str, *, progress: bool = True, batch_invariant: bool = False) -> LoadedModel:
-    """Resolve a preset name, local directory, GGUF file or hub id and load it natively.
+def resolve_backend(spec: str, backend: str | None) -> str:
+    """The backend load_model(spec, backend=...) uses: backend as given ("native" or "ggml");
+    None or "auto" picks ggml for a path to a .gguf file when llama-cpp-python is installed,
+    native otherwise (presets, directories, hub ids; and GGUF files without the extra,
+    converted to fp32 as before)."""
+    if backend in (None, "auto"):
+        from .ggml import available
+        return "ggml" if str(spec).lower().endswith(".gguf") and available() else "native"
+    if backend not in BACKENDS:
+        raise UnsupportedModelError(f"unknown backend {backend!r}; backends: auto, {', '.join(BACKENDS)}")
+    return backend
 
-    batch_invariant: bitwise batch-invariant numerics (LlamaModel's batch_invariant)."""
+
+def load_model(spec: str, *, progress: bool = True, batch_invariant: bool = False,
+               backend: str | None = None) -> LoadedModel:
+    """Resolve a preset name, local directory, GGUF file or hub id and load it on `backend`
+    (see resolve_backend; "ggml" runs presets and .gguf files as shipped).
+
+    batch_invariant: bitwise batch-invariant numerics (LlamaModel's batch_invariant; native only)."""
+    if resolve_backend(spec, backend) == "ggml":
+        from .ggml import load_ggml
+        return load_ggml(spec, progress=progress, batch_invariant=batch_invariant)
     from transformers import AutoTokenizer
 
     from .llama import LlamaModel
@@ -62,4 +99,4 @@ def load_model(spec: str, *, progress: bool = True, batch_invariant: bool = Fals
 
 
 __all__ = ["CausalLM", "KVCache", "CacheFullError", "ModelConfig", "UnsupportedModelError",
-           "LoadedModel", "load_model"]
+           "LoadedModel", "load_model", "resolve_backend", "BACKENDS"]

@@ -62,6 +62,9 @@ class LlamaModel:
     other rows and the number of positions per pass (see models/attention.py).
     """
 
+    runtime = "native"
+    partial_layers = True  # forward(num_layers=N) runs the first N layers (layer-skip)
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *,
                  batch_invariant: bool = False):
         self.config = cfg

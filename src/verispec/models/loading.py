@@ -58,6 +58,7 @@ __all__ = [
     "PresetNotInstalledError",
     "convert_gguf",
     "prepare_preset",
+    "resolve_gguf",
     "resolve_model",
 ]
 
@@ -278,6 +279,55 @@ def _gguf_sha(path: Path, root: Path, *, progress: bool) -> str:
     tmp.write_text(json.dumps(index, indent=1, sort_keys=True), encoding="utf-8")
     os.replace(tmp, index_file)
     return sha
+
+
+# --------------------------------------------------------------------------- GGUF as shipped
+
+
+def resolve_gguf(spec: str, *, progress: bool = True) -> ModelFiles:
+    """Resolve ``spec`` to a GGUF file as shipped (for backends that run GGUF: models/ggml/).
+
+    ``path`` is the GGUF file itself; ``files`` maps its name to its SHA-256. A preset whose
+    payload is one file (SmolLM2) is used where pip installed it, hashed once (the index
+    remembers it by path, size and mtime) and checked against the pin; a preset cut into
+    parts is joined once into ``<cache>/gguf/<file>`` (SHA-256 verified while writing). A
+    path to a ``.gguf`` file is used as is. Nothing is converted.
+    """
+    spec = str(spec)
+    root = cache_dir()
+    if spec in PRESETS:
+        preset = PRESETS[spec]
+        parts = locate_parts(preset)
+        if len(parts) == 1:
+            path, sha = parts[0].resolve(), _gguf_sha(parts[0].resolve(), root, progress=progress)
+            if sha != preset.sha256:
+                raise ChecksumMismatchError(
+                    f"SHA-256 mismatch for {path}:\n  expected {preset.sha256}\n  actual   {sha}\n"
+                    f"Fix: {reinstall_hint(preset)}", expected=preset.sha256, actual=sha)
+        else:
+            path = root / "gguf" / preset.gguf_name
+            if not (path.is_file() and _gguf_sha(path, root, progress=progress) == preset.sha256):
+                payload = sum(p.stat().st_size for p in parts)
+                _check_disk(root, payload + (64 << 20), preset.name)
+                with _locked(root, f"gguf-{preset.name}", progress=progress) as tmp:
+                    if not (path.is_file() and _gguf_sha(path, root, progress=progress) == preset.sha256):
+                        out = tmp / preset.gguf_name
+                        assemble_parts(parts, out, expected_sha256=preset.sha256,
+                                       reinstall_hint=reinstall_hint(preset), progress=progress)
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        os.replace(out, path)
+            sha = _gguf_sha(path, root, progress=False)
+        return ModelFiles(path=path, name=spec, source="preset", sha256=sha,
+                          manifest={"files": {path.name: sha}, "source_file": preset.gguf_name})
+    local = Path(spec).expanduser()
+    if local.is_file() and local.suffix.lower() == ".gguf":
+        path = local.resolve()
+        sha = _gguf_sha(path, root, progress=progress)
+        return ModelFiles(path=path, name=spec, source="gguf", sha256=sha,
+                          manifest={"files": {path.name: sha}, "source_file": str(path)})
+    raise ModelNotFoundError(
+        f"the ggml backend runs GGUF files: {spec!r} is neither a preset ({', '.join(PRESETS)}) "
+        "nor a .gguf file. A Hugging Face directory or hub id runs on --backend native.")
 
 
 # --------------------------------------------------------------------------- conversion

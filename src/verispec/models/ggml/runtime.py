@@ -1,0 +1,279 @@
+"""ggml backend: llama.cpp's CPU kernels on a GGUF file as shipped (quantized, no conversion).
+
+GgmlModel implements the CausalLM protocol (models/__init__.py) over llama-cpp-python's
+low-level bindings. GgmlCache is its KV cache: one llama.cpp context with one sequence id
+per cache row in a unified KV buffer, so that a ragged batch (every row with its own
+positions and its own number of new tokens) is one ``llama_decode``, one graph over the
+weights. The cache keeps the same interface as models/cache.KVCache (alloc, free, truncate,
+lengths, in_use, snapshot, restore): the engine, the drafters and the policy see no
+difference. Rollback is ``llama_memory_seq_rm`` from the row's committed length.
+
+Numerics: not batch-invariant. The CPU kernels a row goes through can depend on how many
+tokens share its decode: on Q4_K weights llama.cpp repacks the matrices and multiplies
+blocks of 4 tokens with one kernel and the remainder with another, so a token's logits
+move by a small amount with what shares its pass (SmolLM2's Q4_1 file has no such path:
+its rows are bitwise independent of the batch). tests/test_ggml_backend.py measures this
+noise against the backend's own single-row decoding; benchmarks/RESULTS.md reports it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..cache import CacheFullError, RowPool
+from ..config import ModelConfig, UnsupportedModelError
+from .lib import LLAMA_CPP_PYTHON_VERSION, bindings
+
+
+class UnsupportedFeatureError(UnsupportedModelError):
+    """The backend cannot do what was asked (e.g. layer-skip on ggml)."""
+
+
+LAYER_SKIP_UNSUPPORTED = (
+    "layer-skip drafting needs the target's first N layers followed by its final norm and LM "
+    "head; llama.cpp's API runs the whole model graph and has no such exit, so the ggml backend "
+    "cannot self-draft. Use --draft lookup or a draft model, or --backend native")
+
+MAX_DECODE_TOKENS = 2048  # tokens per llama_decode call (n_batch); longer feeds are split
+# Tokens per graph evaluation (n_ubatch). llama.cpp's CPU flash attention takes a tiled f32
+# kernel for 64 or more query tokens and a one-chunk kernel (queries rounded to f16) below;
+# with the default of 512 a row's logits then depend on how many tokens share its decode
+# (measured on SmolLM2 Q4_1: up to 1.3 in a logit). Below 64 every pass takes the same
+# attention kernel (on SmolLM2 a row's logits then no longer depend on the other rows or on
+# how its tokens were split into passes: tests/test_ggml_backend.py). Wider passes are split by llama.cpp
+# itself; on this CPU a pass of 63 tokens is compute-bound, so the split costs little.
+MAX_UBATCH_TOKENS = 63
+
+
+def _int_from_meta(meta: dict, key: str, default=None):
+    v = meta.get(key)
+    return default if v is None else int(float(v))
+
+
+class GgmlModel:
+    """A GGUF model in llama.cpp. See the module docstring and the CausalLM protocol."""
+
+    runtime = "ggml"
+    partial_layers = False  # forward(num_layers < L) is impossible: no layer-skip
+
+    def __init__(self, path: str | Path, sha256: str):
+        ll = bindings()
+        self._ll = ll
+        self.path = Path(path)
+        self.sha256 = sha256
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = 0
+        model = ll.llama_model_load_from_file(str(self.path).encode(), params)
+        if not model:
+            raise UnsupportedModelError(f"llama.cpp could not load {self.path} (not a GGUF model it "
+                                        "supports, or a damaged file)")
+        self._model = model
+        weakref.finalize(self, ll.llama_model_free, model)
+        self._vocab = ll.llama_model_get_vocab(model)
+        self.config = self._read_config()
+
+    def _meta(self) -> dict[str, str]:
+        ll, out = self._ll, {}
+        buf = ctypes.create_string_buffer(4096)
+        for i in range(ll.llama_model_meta_count(self._model)):
+            if ll.llama_model_meta_key_by_index(self._model, i, buf, len(buf)) < 0:
+                continue
+            key = buf.value.decode("utf-8", "replace")
+            n = ll.llama_model_meta_val_str_by_index(self._model, i, buf, len(buf))
+            if n >= 0:
+                out[key] = buf.value.decode("utf-8", "replace")
+        return out
+
+    def _read_config(self) -> ModelConfig:
+        ll, m = self._ll, self._meta()
+        arch = m.get("general.architecture", "unknown")
+        L = ll.llama_model_n_layer(self._model)
+        H = ll.llama_model_n_head(self._model)
+        E = ll.llama_model_n_embd(self._model)
+        eos = _int_from_meta(m, "tokenizer.ggml.eos_token_id")
+        return ModelConfig(
+            arch=arch, vocab_size=ll.llama_vocab_n_tokens(self._vocab), hidden_size=E,
+            intermediate_size=_int_from_meta(m, f"{arch}.feed_forward_length", 0),
+            num_layers=L, num_heads=H, num_kv_heads=ll.llama_model_n_head_kv(self._model),
+            head_dim=_int_from_meta(m, f"{arch}.attention.key_length", E // max(H, 1)),
+            rms_norm_eps=float(m.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(m.get(f"{arch}.rope.freq_base", 10000.0)),
+            max_position_embeddings=ll.llama_model_n_ctx_train(self._model),
+            tie_word_embeddings=False, attention_bias=arch == "qwen2",
+            eos_token_ids=() if eos is None else (eos,))
+
+    @property
+    def backend(self) -> str:
+        """The kernels: llama.cpp's CPU backend through llama-cpp-python (pinned version)."""
+        return f"ggml-cpu/llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}"
+
+    def fingerprint(self) -> str:
+        """The GGUF file's SHA-256 (the weights as shipped), marked as run by ggml."""
+        return f"ggml:{self.sha256}"
+
+    def new_cache(self, max_rows: int, max_len: int) -> "GgmlCache":
+        return GgmlCache(self, max_rows, max_len)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: "GgmlCache", rows, num_new=None, *,
+                last_only: bool = False, num_layers: int | None = None) -> torch.Tensor:
+        """tokens [B,T] long; rows [B] cache rows; num_new [B] valid tokens per row (default T).
+
+        Each row's tokens take positions lengths[row] + arange(num_new[b]) in its own
+        sequence; padding (t >= num_new[b]) is not fed at all. One llama_decode per
+        MAX_DECODE_TOKENS tokens (a verify pass is one). Returns logits [B,T,V] (zeros at
+        padding), or [B,V] at each row's last valid token with last_only.
+        """
+        if num_layers is not None and num_layers != self.config.num_layers:
+            raise UnsupportedFeatureError(LAYER_SKIP_UNSUPPORTED)
+        if cache.model is not self:
+            raise ValueError("this cache belongs to another model")
+        B, T = tokens.shape
+        rows_l = [int(r) for r in torch.as_tensor(rows, dtype=torch.long).reshape(-1).tolist()]
+        n_l = [T] * B if num_new is None else [int(n) for n in torch.as_tensor(num_new).reshape(-1).tolist()]
+        if len(rows_l) != B or len(n_l) != B:
+            raise ValueError("rows and num_new need one entry per batch row")
+        if any(n < 0 or n > T for n in n_l):
+            raise ValueError("num_new must lie in [0, T]")
+        start = cache.lengths[rows_l].tolist()  # [B] CPU
+        end = max((s + n for s, n in zip(start, n_l)), default=0)
+        if end > cache.max_len:
+            raise CacheFullError(f"write to position {end} exceeds cache length {cache.max_len}")
+        V = self.config.vocab_size
+        # the flat feed, row after row: batch index b, time t, token, position, sequence id
+        b_idx = np.repeat(np.arange(B), n_l)  # [N]
+        t_idx = np.concatenate([np.arange(n) for n in n_l]) if B else np.zeros(0, np.int64)  # [N]
+        tok = tokens.numpy()[b_idx, t_idx]
+        pos = np.asarray(start, dtype=np.int64)[b_idx] + t_idx
+        seq = np.asarray(rows_l, dtype=np.int64)[b_idx]
+        want = (t_idx == np.asarray(n_l)[b_idx] - 1) if last_only else np.ones(len(b_idx), bool)
+        out = torch.zeros((B, V) if last_only else (B, T, V), dtype=torch.float32)
+        cache._sync_threads()
+        for lo in range(0, len(b_idx), cache.n_batch):
+            hi = min(lo + cache.n_batch, len(b_idx))
+            n_out = cache._decode(tok[lo:hi], pos[lo:hi], seq[lo:hi], want[lo:hi])
+            if n_out:
+                ptr = self._ll.llama_get_logits(cache.ctx)
+                got = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_out, V)))  # [n_out,V] view
+                sel = np.nonzero(want[lo:hi])[0] + lo
+                if last_only:
+                    out[torch.from_numpy(b_idx[sel])] = got
+                else:
+                    out[torch.from_numpy(b_idx[sel]), torch.from_numpy(t_idx[sel])] = got
+        cache.lengths[rows_l] = torch.tensor([s + n for s, n in zip(start, n_l)], dtype=torch.long)
+        return out
+
+
+class GgmlCache(RowPool):
+    """A llama.cpp context as a KV cache with one length per row (models/cache.KVCache's
+    interface; the row bookkeeping is RowPool's). Row r is sequence id r; its valid positions are [0, lengths[r]), and llama.cpp
+    holds exactly those (truncate removes the rest with llama_memory_seq_rm), so a feed that
+    does not continue a row where it ends is refused by llama.cpp's own position check."""
+
+    def __init__(self, model: GgmlModel, max_rows: int, max_len: int):
+        ll = model._ll
+        if max_rows < 1 or max_len < 1:
+            raise ValueError("max_rows and max_len must be >= 1")
+        super().__init__(max_rows, max_len)
+        self._ll, self.model = ll, model
+        p = ll.llama_context_default_params()
+        p.n_ctx = max_rows * max_len  # one unified buffer: rows share its cells
+        p.n_batch = min(MAX_DECODE_TOKENS, p.n_ctx)
+        p.n_ubatch = min(MAX_UBATCH_TOKENS, p.n_batch)
+        p.n_seq_max = max_rows
+        p.kv_unified = True  # one graph for a ragged batch (split streams need equal rows)
+        p.no_perf = True
+        self._threads = torch.get_num_threads()
+        p.n_threads = p.n_threads_batch = self._threads
+        ctx = ll.llama_init_from_model(model._model, p)
+        if not ctx:
+            raise CacheFullError(f"llama.cpp could not create a context for {max_rows} rows x "
+                                 f"{max_len} positions (out of memory?)")
+        self.ctx = ctx
+        self._finalizer = weakref.finalize(self, ll.llama_free, ctx)
+        self.mem = ll.llama_get_memory(ctx)
+        self.n_batch = ll.llama_n_batch(ctx)
+        # the batch the decode reads: our own buffers, written with numpy, no per-token ctypes
+        n = self.n_batch
+        self._tok = np.zeros(n, np.int32)
+        self._pos = np.zeros(n, np.int32)
+        self._nseq = np.ones(n, np.int32)
+        self._seq = np.zeros(n, np.int32)
+        self._logits = np.zeros(n, np.int8)
+        base = self._seq.ctypes.data
+        self._seq_ptrs = (ctypes.POINTER(ll.llama_seq_id) * n)(
+            *[ctypes.cast(base + 4 * i, ctypes.POINTER(ll.llama_seq_id)) for i in range(n)])
+        self._batch = ll.llama_batch()
+        self._batch.token = self._tok.ctypes.data_as(ctypes.POINTER(ll.llama_token))
+        self._batch.embd = ctypes.POINTER(ctypes.c_float)()
+        self._batch.pos = self._pos.ctypes.data_as(ctypes.POINTER(ll.llama_pos))
+        self._batch.n_seq_id = self._nseq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self._batch.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ll.llama_seq_id)))
+        self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def close(self) -> None:
+        """Free the llama.cpp context now (it is freed with the object otherwise)."""
+        self._finalizer()
+
+    # -- decoding (the model's forward) ------------------------------------------
+    def _sync_threads(self) -> None:
+        """Follow torch's thread count (the project's one thread knob: --threads, the audit's
+        pick_threads), so both backends run on the same cores."""
+        n = torch.get_num_threads()
+        if n != self._threads:
+            self._ll.llama_set_n_threads(self.ctx, n, n)
+            self._threads = n
+
+    def _decode(self, tok, pos, seq, want) -> int:
+        """One llama_decode over N <= n_batch tokens; -> number of logit rows it produced."""
+        N = len(tok)
+        self._tok[:N], self._pos[:N], self._seq[:N] = tok, pos, seq
+        self._logits[:N] = want
+        self._batch.n_tokens = N
+        rc = self._ll.llama_decode(self.ctx, self._batch)
+        if rc == 1:
+            raise CacheFullError(f"llama.cpp found no KV slot for {N} tokens "
+                                 f"({self.max_rows} rows x {self.max_len} positions)")
+        if rc != 0:
+            # a failed decode can leave part of the batch in llama.cpp's memory: the rows are
+            # rolled back to their lengths (which did not advance) before anything else runs
+            self.truncate(sorted(set(int(s) for s in seq)),
+                          self.lengths[sorted(set(int(s) for s in seq))])
+            raise RuntimeError(f"llama_decode failed (return code {rc}) for a batch of {N} tokens")
+        return int(want.sum())
+
+    # -- rows (the bookkeeping is models/cache.RowPool's) ---------------------------
+    def _release(self, rows, new_lengths) -> None:
+        """llama_memory_seq_rm of every position from the new length on (also of any that a
+        failed decode left behind)."""
+        for r, n in zip(rows, new_lengths):
+            if not self._ll.llama_memory_seq_rm(self.mem, int(r), int(n), -1):
+                raise RuntimeError(f"llama.cpp could not remove positions >= {n} of row {r}")
+
+    # -- snapshots (engine/prompt_cache.py) ------------------------------------------
+    def snapshot(self, row: int):
+        """The row's keys and values as llama.cpp's sequence state (bytes)."""
+        ll = self._ll
+        size = ll.llama_state_seq_get_size(self.ctx, row)
+        buf = (ctypes.c_uint8 * size)()
+        if ll.llama_state_seq_get_data(self.ctx, buf, size, row) != size:
+            raise RuntimeError(f"llama.cpp could not copy the state of row {row}")
+        return (int(self.lengths[row]), bytes(buf))
+
+    def restore(self, row: int, snap) -> None:
+        """Fill row `row` (in use) with a snapshot taken by snapshot() on a cache of this model."""
+        T, data = snap
+        if T > self.max_len:
+            raise CacheFullError(f"a snapshot of {T} positions does not fit rows of {self.max_len}")
+        ll = self._ll
+        ll.llama_memory_seq_rm(self.mem, row, 0, -1)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if ll.llama_state_seq_set_data(self.ctx, buf, len(data), row) == 0:
+            self.lengths[row] = 0
+            raise CacheFullError(f"llama.cpp could not restore a snapshot into row {row}")
+        self.lengths[row] = T

@@ -1,0 +1,74 @@
+"""A backend's own batching noise, measured on the model itself (any CausalLM).
+
+Greedy speculative decoding equals plain decoding only up to the numerics of the backend:
+a verify pass over k + 1 tokens, a batch of rows and a KV cache whose cells were freed
+and refilled all change the order in which floats are summed, and on quantized weights
+(activations rounded to 8 bits per block) a last-bit difference can move a logit by a
+visible amount. A divergence is numerics only where the reference's top-2 margin lies
+inside this noise; the bound is measured here, never assumed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _ids(V: int, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (n,), generator=g).tolist()
+
+
+def _one_pass(model, seq: list[int]) -> torch.Tensor:
+    cache = model.new_cache(1, len(seq) + 1)
+    return model.forward(torch.tensor([seq]), cache, cache.alloc())[0]  # [T,V]
+
+
+def _diff(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """ref, got [T,V] -> (largest logit difference, largest change of the gap between ref's
+    top-2 tokens: what decides whether a greedy choice can flip)."""
+    top = ref.topk(2, dim=-1).indices  # [T,2]
+    gap_ref = ref.gather(-1, top[:, :1]) - ref.gather(-1, top[:, 1:])
+    gap_got = got.gather(-1, top[:, :1]) - got.gather(-1, top[:, 1:])
+    return float((ref - got).abs().max()), float((gap_ref - gap_got).abs().max())
+
+
+def batching_noise(model, seeds=(0, 1), context: int = 264, tail: int = 12) -> dict[str, float]:
+    """{"logit": the largest logit difference, "margin": the largest change of the top-2
+    gap}, over a few random rows, between a fresh single-row one-pass decode of the row and:
+
+    (a) the same row's last `tail` tokens decoded one token per pass after `context`
+        cached positions (past 256 positions llama.cpp's attention takes another kernel
+        for a one-token pass than for a wider one; on Q4_K files, blocks of 4 tokens take
+        another matrix kernel than the remainder);
+    (b) the same row decoded beside another row that leaves the batch, so that its later
+        tokens are stored in the cells the other freed, before its earlier ones (an
+        attention that sums in storage order then sums in another order; continuous
+        batching does this to every row).
+
+    No rollback is involved: a difference the engine shows beyond this bound is not noise.
+    A batch-invariant backend measures 0. A greedy divergence at a reference top-2 margin
+    below "margin" can be numerics; one above it cannot be these effects."""
+    V = model.config.vocab_size
+    worst = {"logit": 0.0, "margin": 0.0}
+
+    def note(ref, got):
+        for key, v in zip(("logit", "margin"), _diff(ref, got)):
+            worst[key] = max(worst[key], v)
+
+    for seed in seeds:
+        seq = _ids(V, context + tail, seed)
+        one = _one_pass(model, seq)
+        cache = model.new_cache(1, len(seq) + 1)
+        row = cache.alloc()
+        model.forward(torch.tensor([seq[:context]]), cache, row, last_only=True)
+        inc = torch.cat([model.forward(torch.tensor([[t]]), cache, row)[0] for t in seq[context:]])
+        note(one[context:], inc)
+        other = _ids(V, 40, seed + 100)
+        cache = model.new_cache(2, 80)
+        a, b = cache.alloc(2)
+        model.forward(torch.tensor([other]), cache, [b])
+        model.forward(torch.tensor([seq[:20]]), cache, [a])
+        cache.free([b])
+        late = model.forward(torch.tensor([seq[20:60]]), cache, [a])[0]
+        note(one[20:60], late)
+    return worst
