@@ -77,3 +77,10 @@ def test_endpoint_audit_fails_a_server_that_answers_differently(servers, tmp_pat
     assert eq["figures"]["divergences"] > 0
     # against a null of no divergence at all, most prompts diverging fails the count test
     assert "Fisher" in eq["summary"] and eq["figures"]["null_divergences"] == 0
+
+
+@pytest.mark.parametrize("argv", [["--sampled-tokens", "-1"], ["--null-repeats", "0"], ["--concurrency", "0"],
+                                  ["--null-repeats", "x"]])
+def test_bad_endpoint_options_are_usage_errors(tmp_path, argv):
+    with pytest.raises(SystemExit):
+        _args(tmp_path, "--endpoint", "http://127.0.0.1:9", *argv)

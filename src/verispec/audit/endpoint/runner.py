@@ -54,15 +54,17 @@ def _concurrency(s: str) -> tuple[int, ...]:
     return levels
 
 
-def _at_least_one(s: str) -> int:
-    import argparse
-    try:
-        n = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+def _int_at_least(low: int):
+    def parse(s: str) -> int:
+        import argparse
+        try:
+            n = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        return n
+    return parse
 
 
 def add_endpoint_arguments(a) -> None:
@@ -80,12 +82,12 @@ def add_endpoint_arguments(a) -> None:
                    help="max_tokens per request (default 64)")
     a.add_argument("--raw", dest="endpoint_raw", action="store_true",
                    help="send raw prompts to /v1/completions instead of chat messages")
-    a.add_argument("--sampled-tokens", type=int, default=2048,
+    a.add_argument("--sampled-tokens", type=_int_at_least(0), default=2048,
                    help="tokens sampled at temperature 1 for the distribution check (0: skip; default 2048)")
     a.add_argument("--compare-to", default=None, metavar="OLD/report.json",
                    help="compare with an earlier endpoint audit: changed re-test triggers, moved acceptance and "
                         "speedup; exit 1 when equivalence got worse or a speedup fell beyond its noise")
-    a.add_argument("--null-repeats", type=_at_least_one, default=1,
+    a.add_argument("--null-repeats", type=_int_at_least(1), default=1,
                    help="run the null (reference vs itself) this many times, pooled (default 1)")
 
 
