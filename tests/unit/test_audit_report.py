@@ -70,3 +70,15 @@ def test_a_check_that_raised_still_renders(report, tmp_path):
     paths = write_reports(broken, tmp_path)
     assert "IndexError" in paths["md"].read_text()
     assert paths["html"].read_text().count("data:image/png;base64,") == 4  # an empty PIT panel
+
+
+def test_each_check_says_how_many_drafts_it_verified(report):
+    from verispec.audit.report import drafts_verified
+    counts = {c["name"]: drafts_verified(c) for c in report["checks"]}
+    for name in ("equivalence", "distribution", "seeded", "stopping", "drafter-consistency"):
+        assert counts[name] and counts[name] > 0, (name, counts)
+    md = render_markdown(report)
+    assert "| check | result | time | drafts verified | summary |" in md
+    dist = next(c for c in report["checks"] if c["name"] == "distribution")
+    assert f"| {counts['distribution']} |" in md and counts["distribution"] == len(dist["details"]["calibration_a"])
+    assert "<th>drafts verified</th>" in render_html(report)

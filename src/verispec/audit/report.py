@@ -43,6 +43,23 @@ def _f(x, fmt: str = ".2f", none: str = "-") -> str:
     return str(x)
 
 
+def drafts_verified(check: dict) -> int | None:
+    """How many draft tokens (or drafted positions) a check verified: a check that verified
+    none proved nothing about the speculative paths. None where the check drafts nothing."""
+    f, d = check.get("figures") or {}, check.get("details") or {}
+    name = check["name"]
+    if name in ("equivalence", "seeded"):
+        return f.get("drafts_verified")
+    if name == "distribution":
+        return f.get("verified_drafts")
+    if name == "stopping":
+        per = d.get("per_config")
+        return sum(r.get("drafted", 0) for r in per) if per else None
+    if name == "drafter-consistency":
+        return f.get("positions_compared")
+    return None
+
+
 def _pct(x) -> str:
     return "-" if x is None else f"{x:.0%}"
 
@@ -310,9 +327,10 @@ def render_markdown(report: dict) -> str:
     parts = [f"# verispec audit: {report['verdict'].upper()}\n"]
     parts.append(_md_table(["", ""], headline(report)))
     parts.append("## Checks\n")
-    parts.append(_md_table(["check", "result", "time", "summary"],
+    parts.append(_md_table(["check", "result", "time", "drafts verified", "summary"],
                            [[c["name"], "info" if c["informational"] else ("pass" if c["passed"] else "**FAIL**"),
-                             f"{c['elapsed_s']:.1f} s", c["summary"]] for c in report["checks"]]))
+                             f"{c['elapsed_s']:.1f} s", _f(drafts_verified(c), "d"), c["summary"]]
+                            for c in report["checks"]]))
     for title, header, rows in _sections(report):
         parts.append(f"## {title}\n")
         parts.append(_md_table(header, rows))
@@ -358,8 +376,10 @@ def render_html(report: dict) -> str:
     for c in report["checks"]:
         res = "info" if c["informational"] else ("pass" if c["passed"] else "fail")
         rows.append(f"<tr><td>{html.escape(c['name'])}</td><td><span class='verdict {res}'>{res.upper()}</span>"
-                    f"</td><td>{c['elapsed_s']:.1f} s</td><td>{html.escape(c['summary'])}</td></tr>")
-    out.append("<table><thead><tr><th>check</th><th>result</th><th>time</th><th>summary</th></tr></thead>"
+                    f"</td><td>{c['elapsed_s']:.1f} s</td><td>{_f(drafts_verified(c), 'd')}</td>"
+                    f"<td>{html.escape(c['summary'])}</td></tr>")
+    out.append("<table><thead><tr><th>check</th><th>result</th><th>time</th><th>drafts verified</th>"
+               "<th>summary</th></tr></thead>"
                f"<tbody>{''.join(rows)}</tbody></table>")
     out.append("<h2>Plots</h2><div class='grid'>")
     for name in PLOTS:
