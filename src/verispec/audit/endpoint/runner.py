@@ -2,17 +2,19 @@
 written as the same report files (report.json, report.md, report.html) as the offline audit.
 
 What can be checked from outside, with the client in client.py:
-* equivalence at temperature 0: every load level (concurrent clients) of the endpoint
-  against a non-speculative reference: --reference-endpoint, or, for a verispec server,
-  the same server with ``"verispec": {"speculate": false}``; failing both, the endpoint's
-  own concurrency-1 answers (then only load invariance is tested, and the report says so).
-  The comparison is on text; a divergence is a near-tie only when the reference returned
-  logprobs and its top-2 margin there is below the audit's tie margin (log-probability
-  differences equal logit differences), otherwise it counts as a divergence;
-* corruption signatures of the text against the reference's (words stand in for tokens;
+* equivalence at temperature 0 against the deployment's own null run (null.py): the
+  reference (--reference-endpoint, or a verispec server with ``"verispec": {"speculate":
+  false}``) at concurrency 1 is the base; the reference again at every level is the null,
+  the endpoint at every level the test, both compared with the base on text, with the
+  base's top-2 logprob margin at the first divergence. No reference: the endpoint is its
+  own base and null (load invariance only, and the report says what is not separable);
+* the sampled distribution at temperature 1 from the answers' top-n logprobs (sampled.py);
+* corruption signatures of the text against the base's (words stand in for tokens;
   perplexity from the returned logprobs when there are any);
-* per-slice speed and acceptance (per-request stats where the server returns them, the
-  /metrics counters of vLLM, SGLang or verispec otherwise) and throughput per load level.
+* per-slice speed and acceptance (each answer's speculative fields, the level's /metrics
+  counters for the pooled figures: counters.py) and throughput per load level;
+* the server's kind, version and settings as it reports them (kinds.py), in the record;
+* with an earlier report, the re-test gate (compare.py).
 
 Wiring into `verispec audit` (audit/cli.py): ``add_endpoint_arguments(a)`` in
 add_audit_parser, and at the top of cmd_audit
