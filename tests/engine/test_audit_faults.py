@@ -191,8 +191,9 @@ def test_typical_lossy_fails_on_the_statistics_alone(models, tmp_path):
 def test_distribution_reports_each_test_and_the_drafts_it_verified(models, tmp_path):
     report = _report(tiny_audit(models), tmp_path)
     f = next(c for c in report["checks"] if c["name"] == "distribution")["figures"]
-    assert {t["test"] for t in f["tests"]} == {"pit", "recovered", "bonus", "calibration"}
-    assert f["correction"] == "Bonferroni" and f["alpha_each"] == pytest.approx(f["alpha"] / 4)
+    assert {t["test"] for t in f["tests"]} == {"pit", "recovered", "bonus", "calibration", "pit-tail",
+                                               "recovered-tail", "bonus-tail"}
+    assert f["correction"] == "Bonferroni" and f["alpha_each"] == pytest.approx(f["alpha"] / 7)
     assert f["verified_drafts"] >= f["min_verified_drafts"] and all(t["n"] > 0 for t in f["tests"])
 
 

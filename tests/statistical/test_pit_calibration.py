@@ -57,3 +57,15 @@ def test_calibration_null_and_relaxed_threshold():
 def test_calibration_degenerate_variance():
     assert calibration_test([1.0, 1.0, 0.0], [1, 1, 0]).passed(1e-3)
     assert not calibration_test([1.0, 0.0], [1, 1]).passed(1e-3)
+
+
+def test_tail_test_is_exact_under_the_null_and_sees_a_spike():
+    import numpy as np
+
+    from verispec.audit.stats import tail_test
+    rng = np.random.default_rng(0)
+    p = [tail_test(rng.random(500)).p_value for _ in range(2000)]
+    assert 0.02 < np.mean(np.asarray(p) <= 0.05) <= 0.05  # one-sided binomial: at most alpha (discrete)
+    u = rng.random(500)
+    u[:25] = 1.0 - rng.random(25) * 1e-3  # 5% of tokens from outside the distribution
+    assert tail_test(u).p_value < 1e-4

@@ -11,7 +11,10 @@ at every emitted position, and test what each mechanism of the rule promises (st
 * **recovered**: tokens emitted in place of a rejected draft follow the residual
   normalise(max(0, p - q)) (for prompt lookup: p without d; a recovered token equal to the
   rejected draft is then impossible, and counted);
-* **bonus**: tokens after a step whose every draft was kept follow p at their position.
+* **bonus**: tokens after a step whose every draft was kept follow p at their position;
+* **pit-tail**, **recovered-tail**, **bonus-tail**: the share of each family's PIT values
+  above 0.99 is exactly 1% under the null (one-sided binomial test): a token that should
+  (almost) never be emitted, as a recovered token drawn outside the residual, lands there;
 
 Half the requests run under the deployed policy, half with drafting forced (a fixed k),
 so a policy that drafts little cannot make the check vacuous. The tests are combined by
@@ -36,9 +39,10 @@ from .checks import CheckResult
 from .consistency import oracle_for
 from .context import AuditContext
 from .equivalence import teacher_forced_logits
-from .stats import calibration_test, randomized_pit, test_uniform
+from .stats import calibration_test, randomized_pit, tail_test, test_uniform
 
 ALPHA = 1e-3  # family-wise: false alarms of the correct engine in at most 1 audit in 1,000
+TAIL = 0.01  # the PIT tail tests: share of u above 1 - TAIL
 MIN_TOKENS_PER_PIT = 20  # a PIT family with fewer tokens is not run (and not counted in m)
 
 
@@ -158,12 +162,16 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
         if u.numel() >= MIN_TOKENS_PER_PIT:
             families[name] = u
     results = {name: test_uniform(u.numpy()) for name, u in families.items()}  # sync: for scipy
+    tails = {name: tail_test(u.numpy(), TAIL) for name, u in families.items()}
     calib_res = calibration_test([a for a, _ in calib], [k for _, k in calib]) if calib else None
-    m = len(results) + (calib_res is not None)
+    m = len(results) + len(tails) + (calib_res is not None)
     alpha_each = ALPHA / m
     tests = [{"test": name, "kind": "KS, PIT over descending p", "statistic": t.ks_statistic, "n": t.n,
               "p_value": t.p_value, "alpha": alpha_each, "passed": t.passed(alpha_each), "histogram": t.histogram}
              for name, t in results.items()]
+    tests += [{"test": f"{name}-tail", "kind": f"binomial, share of PIT above {1 - TAIL:g} (exactly {TAIL:g})",
+               "statistic": t.count / t.n, "n": t.n, "p_value": t.p_value, "alpha": alpha_each,
+               "passed": t.passed(alpha_each), "count": t.count} for name, t in tails.items()]
     if calib_res is not None:
         tests.append({"test": "calibration", "kind": "z, kept vs min(1, p/q)", "statistic": calib_res.z,
                       "n": calib_res.n, "p_value": calib_res.p_value, "alpha": alpha_each,

@@ -100,4 +100,32 @@ def test_uniform(u) -> UniformityTest:
                           histogram=hist.tolist())
 
 
-test_uniform.__test__ = False  # not a pytest test, despite the name
+test_uniform.__test__ = False
+
+
+@dataclass(frozen=True)
+class TailTest:
+    """One-sided binomial test of the share of PIT values above 1 - tail (exactly `tail`
+    under the null). Over descending p, a token the sampler should (almost) never emit lands
+    there: a recovered token drawn outside the residual, a garbage token. KS, which looks at
+    the whole CDF, is slow to see such a spike."""
+
+    n: int
+    tail: float
+    count: int
+    p_value: float
+
+    def passed(self, alpha: float) -> bool:
+        return self.p_value > alpha
+
+
+def tail_test(u, tail: float = 0.01) -> TailTest:
+    u = np.asarray(u, dtype=np.float64)
+    if u.size == 0:
+        raise ValueError("no samples to test")
+    k = int((u > 1.0 - tail).sum())
+    return TailTest(n=int(u.size), tail=tail, count=k,
+                    p_value=float(sps.binomtest(k, int(u.size), tail, alternative="greater").pvalue))
+
+
+tail_test.__test__ = False  # not a pytest test, despite the name
