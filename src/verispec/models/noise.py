@@ -72,3 +72,34 @@ def batching_noise(model, seeds=(0, 1), context: int = 264, tail: int = 12) -> d
         late = model.forward(torch.tensor([seq[20:60]]), cache, [a])[0]
         note(one[20:60], late)
     return worst
+
+
+def rollback_difference(model, lengths=(20, 35, 7, 50, 13), cuts=(10, 30, 3, 25, 13), seed: int = 0) -> float:
+    """The largest logit difference between rows decoded the way the engine decodes them and
+    a fresh single-row one-pass decode of each: rows at different lengths prefilled together
+    (not on rows 0..B-1), given rejected drafts of different lengths twice, rolled back to
+    `cuts` and then fed the rest of their tokens ragged in one pass (a row whose cut is its
+    length idles). A correct cache stays inside batching_noise()["logit"]."""
+    V = model.config.vocab_size
+    B = len(lengths)
+    seqs = [_ids(V, n, seed + i) for i, n in enumerate(lengths)]
+    ref = [_one_pass(model, s) for s in seqs]
+    cache = model.new_cache(B + 1, max(lengths) + 16)
+    rows = cache.alloc(B + 1)[1:]
+    x = torch.zeros(B, max(cuts), dtype=torch.long)  # [B,T]
+    for b, s in enumerate(seqs):
+        x[b, :cuts[b]] = torch.tensor(s[:cuts[b]])
+    model.forward(x, cache, rows, list(cuts), last_only=True)
+    g = torch.Generator().manual_seed(seed + 1000)
+    for n_rejected in ([5, 3, 0, 2, 8], [1, 0, 4, 4, 2]):
+        n_rejected = (n_rejected * B)[:B]
+        model.forward(torch.randint(0, V, (B, 8), generator=g), cache, rows, n_rejected)
+        cache.truncate(rows, list(cuts))
+    rest = [n - c for n, c in zip(lengths, cuts)]
+    x = torch.zeros(B, max(rest), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        x[b, :rest[b]] = torch.tensor(s[cuts[b]:])
+    out = model.forward(x, cache, rows, rest)  # [B,T,V]
+    if cache.lengths[rows].tolist() != list(lengths):
+        raise AssertionError(f"row lengths {cache.lengths[rows].tolist()} after the feed, not {list(lengths)}")
+    return max(float((out[b, :rest[b]] - ref[b][cuts[b]:]).abs().max()) for b in range(B) if rest[b])

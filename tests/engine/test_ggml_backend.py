@@ -1,0 +1,214 @@
+"""The ggml backend (llama.cpp on a GGUF file as shipped) on SmolLM2-135M's Q4_1 file.
+
+Skips, saying why, without llama-cpp-python (`pip install 'verispec[gguf]'` or
+`bash scripts/install.sh --gguf`) or without the SmolLM2 preset's package. Loading the
+file takes well under a second; every test here decodes a few dozen tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.models.ggml import available
+
+pytestmark = pytest.mark.skipif(
+    not available(), reason="llama-cpp-python not installed: pip install 'verispec[gguf]' "
+                            "or bash scripts/install.sh --gguf")
+
+PRESET = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from verispec.models import load_model
+    from verispec.models.presets import PresetNotInstalledError
+    try:
+        return load_model(PRESET, backend="ggml", progress=False)
+    except PresetNotInstalledError as e:
+        pytest.skip(f"SmolLM2 preset not installed: {e}")
+
+
+@pytest.fixture(scope="module")
+def noise(smol):
+    from verispec.models.noise import batching_noise
+    n = batching_noise(smol.model)
+    print(f"\nggml SmolLM2 Q4_1 batching noise (pass widths, KV cell order): logits {n['logit']:.3g}, "
+          f"top-2 gap {n['margin']:.3g}")
+    return n
+
+
+def test_files_are_the_gguf_as_shipped(smol):
+    from verispec.models.presets import PRESETS
+    assert smol.model.runtime == "ggml" and smol.model.partial_layers is False
+    assert smol.files.sha256 == PRESETS[PRESET].sha256
+    assert smol.files.files == {PRESETS[PRESET].gguf_name: PRESETS[PRESET].sha256}
+    assert str(smol.files.path).endswith(".gguf")
+    assert smol.model.fingerprint() == f"ggml:{PRESETS[PRESET].sha256}"
+    assert smol.model.config.vocab_size == 49152 and smol.model.config.num_layers == 30
+
+
+def test_ragged_batch_after_rollbacks_equals_fresh_single_row(smol, noise):
+    """Rows at different lengths, prefilled together, given rejected drafts of different
+    lengths twice, rolled back (seq_rm) and fed the rest ragged: every row's logits equal a
+    fresh single-row decode of its tokens within the backend's measured noise (on this file:
+    bitwise)."""
+    from verispec.models.noise import rollback_difference
+    diffs = [rollback_difference(smol.model, seed=s) for s in (0, 1)]
+    print(f"ggml SmolLM2 Q4_1: ragged-after-rollback vs fresh {max(diffs):.3g} (noise {noise['logit']:.3g})")
+    assert max(diffs) <= noise["logit"] + 1e-5, (diffs, noise)
+
+
+def test_padding_positions_are_zeros(smol):
+    m = smol.model
+    cache = m.new_cache(3, 16)
+    rows = cache.alloc(3)
+    out = m.forward(torch.tensor([[1, 2, 3], [4, 5, 0], [0, 0, 0]]), cache, rows, [3, 2, 0])  # [B,T,V]
+    assert bool((out[1, 2] == 0).all()) and bool((out[2] == 0).all()) and bool((out[0] != 0).any())
+    assert cache.lengths[rows].tolist() == [3, 2, 0]
+    last = m.forward(torch.tensor([[7, 8], [9, 0], [6, 0]]), cache, rows, [2, 1, 1], last_only=True)  # [B,V]
+    assert last.shape == (3, m.config.vocab_size) and cache.lengths[rows].tolist() == [5, 3, 1]
+    fresh = m.new_cache(1, 16)
+    row = fresh.alloc()
+    assert torch.equal(last[1], m.forward(torch.tensor([[4, 5, 9]]), fresh, row)[0, -1])  # its own last token
+
+
+def test_a_row_fed_past_its_rollback_is_refused(smol):
+    """llama.cpp checks that a feed continues a row where it ends: a cache whose lengths
+    disagree with what llama.cpp holds cannot decode silently."""
+    m = smol.model
+    cache = m.new_cache(2, 32)
+    row = cache.alloc()
+    m.forward(torch.tensor([[1, 2, 3, 4]]), cache, row)
+    cache.lengths[row] = 2  # a rollback that skipped llama_memory_seq_rm
+    with pytest.raises(RuntimeError, match="llama_decode failed"):
+        m.forward(torch.tensor([[5]]), cache, row)
+
+
+def test_cache_interface_errors(smol):
+    from verispec.models import CacheFullError
+    m = smol.model
+    cache = m.new_cache(2, 8)
+    rows = cache.alloc(2)
+    with pytest.raises(CacheFullError):
+        cache.alloc()
+    m.forward(torch.tensor([[1, 2, 3]]), cache, [rows[0]])
+    with pytest.raises(ValueError, match="only shorten"):
+        cache.truncate([rows[0]], [4])
+    with pytest.raises(CacheFullError, match="exceeds cache length"):
+        m.forward(torch.ones(1, 6, dtype=torch.long), cache, [rows[0]])
+    cache.free(rows)
+    assert cache.rows_in_use == 0 and cache.lengths.tolist() == [0, 0]
+
+
+def test_layerskip_refused_naming_why(smol):
+    from verispec.drafters import make_drafter
+    from verispec.models.ggml import UnsupportedFeatureError
+    with pytest.raises(UnsupportedFeatureError, match="ggml backend: layer-skip drafting needs"):
+        make_drafter("layerskip:8", smol.model, smol.tokenizer, max_rows=1, max_len=8)
+    cache = smol.model.new_cache(1, 8)
+    with pytest.raises(UnsupportedFeatureError, match="layer-skip"):
+        smol.model.forward(torch.tensor([[1]]), cache, cache.alloc(), num_layers=4)
+
+
+def test_batch_invariant_mode_refused():
+    from verispec.models import load_model
+    from verispec.models.attention import NotBatchInvariantError
+    with pytest.raises(NotBatchInvariantError, match="--backend native"):
+        load_model(PRESET, backend="ggml", batch_invariant=True, progress=False)
+
+
+def _prompts(tok, n):
+    from verispec.audit.context import encode
+    from verispec.audit.suite import load_suite
+    return [encode(tok, p.prompt, True) for p in load_suite("default")[:n]]
+
+
+def _run(model, prompts, drafter=None, k=4, batch=4, max_new=16, prompt_cache=None):
+    from verispec.engine import Engine, EngineConfig, GenerationParams, Request
+    from verispec.policy import FixedK
+    eng = Engine(model, drafter, FixedK(k if drafter is not None else 0),
+                 EngineConfig(max_batch=batch, max_len=max(map(len, prompts)) + max_new + 2),
+                 prompt_cache=prompt_cache)
+    reqs = [Request(p, GenerationParams(max_new_tokens=max_new)) for p in prompts]
+    eng.run(reqs)
+    assert all(r.finish_reason in ("length", "stop") for r in reqs), [r.error for r in reqs]
+    return reqs
+
+
+def assert_equivalent(model, prompts, ref, got, noise, min_identical):
+    """Greedy outputs equal, or diverging where the reference's top-2 margin lies inside the
+    backend's measured noise of the top-2 gap; at least min_identical of them identical.
+    -> number identical."""
+    from verispec.audit.equivalence import compare, reference_logits_at
+    same = 0
+    for p, r, g in zip(prompts, ref, got):
+        c = compare(p, r, g, lambda pr, rf, i: reference_logits_at(model, pr, rf, i), tie_margin=noise["margin"])
+        assert c.verdict != "divergence", c
+        same += c.exact
+    assert same >= min_identical * len(prompts), (same, len(prompts))
+    return same
+
+
+def test_greedy_speculative_equals_plain_lookup_and_draft_model(smol, noise):
+    """Prompt lookup at batch 1 and 4 and a draft model (a second llama.cpp context: the
+    same file, so nearly every draft is accepted) at batch 4 emit plain decoding's tokens,
+    but where a near-tie inside the backend's measured noise flips."""
+    from verispec.drafters.draft_model import DraftModelDrafter
+    from verispec.drafters.lookup import PromptLookupDrafter
+    m = smol.model
+    prompts = _prompts(smol.tokenizer, 4)
+    plain = [r.output_ids for r in _run(m, prompts, batch=1, max_new=12)]
+    assert len({t for o in plain for t in o}) > 10
+    for batch in (1, 4):
+        look = _run(m, prompts, PromptLookupDrafter(), k=4, batch=batch, max_new=12)
+        assert sum(r.stats.drafted for r in look) > 0
+        assert_equivalent(m, prompts, plain, [r.output_ids for r in look], noise, 0.5)
+        if batch == 1:
+            continue
+        dm = DraftModelDrafter(m, m.config.vocab_size, max_rows=batch, max_len=max(map(len, prompts)) + 20)
+        same = _run(m, prompts, dm, k=3, batch=batch, max_new=12)
+        assert_equivalent(m, prompts, plain, [r.output_ids for r in same], noise, 0.5)
+        assert sum(r.stats.drafted for r in same) > 0
+        # the draft is the target itself: it agrees with every token the target verifies
+        assert sum(r.stats.accepted for r in same) >= 0.9 * sum(r.stats.drafted for r in same)
+
+
+def test_prompt_cache_snapshots_ggml_rows(smol):
+    from verispec.engine import PromptCache
+    m = smol.model
+    prompts = _prompts(smol.tokenizer, 3)
+    pc = PromptCache()
+    first = [r.output_ids for r in _run(m, prompts, batch=2, prompt_cache=pc)]
+    assert pc.misses == 3 and len(pc) == 3
+    again = [r.output_ids for r in _run(m, prompts, batch=2, prompt_cache=pc)]
+    assert pc.hits == 3 and again == first
+
+
+def test_adaptive_policy_costs_measured_on_ggml(smol, tmp_path):
+    """The cost model is timed on the backend in use, and keyed on it."""
+    from verispec.drafters.lookup import PromptLookupDrafter
+    from verispec.policy.costs import CostCache, cost_key, measure_costs
+    d = PromptLookupDrafter()
+    costs = measure_costs(smol.model, d, 2, 2, context=32, repeats=1)
+    assert all(t > 0 for row in costs.target_s for t in row)
+    key = cost_key(smol.model, d, 2, 2)
+    assert key["backend"].startswith("ggml-cpu") and key["target"].startswith("ggml:")
+    assert CostCache(tmp_path).entry(smol.model, d, 2, 2).path.parent == tmp_path
+
+
+def test_generate_cli_on_ggml(smol, capsys):
+    import json
+
+    from verispec.cli import main
+    from verispec.models.presets import PRESETS, locate_parts
+    path = str(locate_parts(PRESETS[PRESET])[0])  # a .gguf path: ggml by default
+    rc = main(["generate", "--model", path, "--prompt", "def fib(n):", "--max-new-tokens", "8",
+               "--draft", "lookup", "--json", "--batch-size", "1"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 8
+    rc = main(["generate", "--model", PRESET, "--backend", "ggml", "--prompt", "hi", "--draft", "layerskip:4",
+               "--max-new-tokens", "4"])
+    assert rc == 2
+    assert "layer-skip" in capsys.readouterr().err
