@@ -89,8 +89,6 @@ def main() -> int:
     args = ap.parse_args()
     from tqdm import tqdm
 
-    from verispec.models import load_model
-    loaded = load_model(args.target, progress=False)
     validate = {}
     for item in filter(None, args.validate.split(",")):
         size, spec = item.split("=")
@@ -110,6 +108,9 @@ def main() -> int:
                      "seconds": None, "power": curve, "smallest_c_95": next((c for c in GRID if curve[c] >= 0.95), None),
                      "source": path})
     jobs = [(d, s) for d in args.drafts.split(",") for s in args.sizes.split(",") if s]
+    if jobs:
+        from verispec.models import load_model
+        loaded = load_model(args.target, progress=False)
     for draft, size in tqdm(jobs, desc="power", unit="cell"):
         sizes = AuditSizes.quick() if size == "quick" else AuditSizes.full()
         cfg = AuditConfig(target=args.target, draft=draft, sizes=sizes, only=("distribution",),
