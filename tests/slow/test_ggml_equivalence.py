@@ -30,9 +30,9 @@ def _load(spec):
 
 
 def _equivalence(loaded, drafter_for, k=4):
-    from verispec.audit.context import encode
+    from verispec.audit.context import encode, select_prompts
     from verispec.audit.equivalence import compare, reference_logits_at
-    from verispec.audit.suite import load_suite, select_prompts
+    from verispec.audit.suite import load_suite
     from verispec.engine import Engine, EngineConfig, GenerationParams, Request
     from verispec.models.noise import batching_noise
     from verispec.policy import FixedK
