@@ -60,6 +60,11 @@ def drafts_verified(check: dict) -> int | None:
     return None
 
 
+def _temps(f: dict) -> str:
+    """The audited temperatures of a check's figures: "1, 0.5"."""
+    return ", ".join(f"{t:g}" for t in (f.get("temperatures") or [f["temperature"]]))
+
+
 def _pct(x) -> str:
     return "-" if x is None else f"{x:.0%}"
 
@@ -85,11 +90,11 @@ def headline(report: dict) -> list[tuple[str, str]]:
     if d:
         f = d["figures"]
         out.append(("Distribution (PIT KS)", f"p = {_f(f['p_value'], '.3g')}, D = {_f(f['ks_statistic'], '.4f')}, "
-                                             f"n = {f['n']} tokens at T={f['temperature']:g}"))
+                                             f"n = {f['n']} tokens at T={_temps(f)}"))
     sd = _check(report, "seeded")
     if sd and sd["figures"].get("applicable"):
         f = sd["figures"]
-        out.append(("Same seed, same bytes", f"{f['prompts']} seeded prompts at T={f['temperature']:g}: "
+        out.append(("Same seed, same bytes", f"{f['prompts']} seeded prompts at T={_temps(f)}: "
                                              f"{f['divergences']} divergences, {f['near_ties']} near-ties, "
                                              f"{f['drafts_verified']} drafts verified"))
     s = _check(report, "slices")
@@ -259,7 +264,7 @@ def _sections(report: dict) -> list[tuple[str, list[str], list[list]]]:
         f = d["figures"]
         out.append(("Distribution (randomised PIT, KS test)", ["temperature", "tokens", "KS D", "p-value",
                                                                "alpha", "acceptance", "tokens/pass", "passed"],
-                    [[f["temperature"], f["n"], _f(f["ks_statistic"], ".4f"), _f(f["p_value"], ".3g"), f["alpha"],
+                    [[_temps(f), f["n"], _f(f["ks_statistic"], ".4f"), _f(f["p_value"], ".3g"), f["alpha"],
                       _pct(f["acceptance_rate"]), _f(f["mean_accepted_length"]), d["passed"]]]))
         if f.get("tests"):
             out.append((f"Distribution: one test per mechanism ({f['correction']}, alpha {f['alpha']:g} in all; "
