@@ -116,6 +116,8 @@ def add_audit_parser(sub) -> None:
     a.add_argument("--only", type=_checks, default=(),
                    help="comma-separated checks to run (and lossy-rule, record): " + ", ".join(CHECKS)
                         + "; the verdict then covers only those")
+    from ..cli import add_backend_argument
+    add_backend_argument(a)
     a.add_argument("--inject-fault", type=_fault, default=None, help=argparse.SUPPRESS)
     a.set_defaults(func=cmd_audit)
 
@@ -186,7 +188,8 @@ def cmd_audit(args) -> int:
         suite = load_suite(config.suite)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    target = load_model(config.target, progress=not args.no_progress, batch_invariant=config.batch_invariant)
+    target = load_model(config.target, progress=not args.no_progress, batch_invariant=config.batch_invariant,
+                        backend=args.backend)
     try:
         factory, draft_files = drafter_factory_from_spec(config.draft, target.model, target.tokenizer)
     except ValueError as e:
