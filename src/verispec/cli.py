@@ -27,6 +27,54 @@ def _nonneg_int(s: str) -> int:
     return v
 
 
+def _threads(s: str) -> int | str:
+    return s if s == "auto" else _positive_int(s)
+
+
+THREADS_HELP = ("CPU threads (torch's, which the ggml backend follows), or auto (default): 1 or all cores, "
+                "whichever decodes faster now, timed on the loaded model")
+
+
+def pick_threads(model, steps: int = 6) -> tuple[int, dict]:
+    """The faster torch thread count for decoding right now, 1 or all cores, timed on a few
+    batch-1 decode steps (alternating, best of two each). On a shared machine, OpenMP threads
+    waiting at barriers for a descheduled sibling can make all-cores several times slower
+    than one thread (ggml, Qwen 1.5B, 2 cores under load: 940 ms a token at 2 threads, 19 ms
+    at 1); on an idle machine all cores win. -> (threads, tokens/s per candidate)."""
+    import os
+
+    import torch
+
+    candidates = sorted({1, os.cpu_count() or 1})
+    cache = model.new_cache(1, 16 + 4 * steps)
+    row = cache.alloc()
+    model.forward(torch.zeros(1, 16, dtype=torch.long), cache, row, last_only=True)
+    best: dict[int, float] = {}
+    for n in candidates * 2:
+        torch.set_num_threads(n)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            model.forward(torch.zeros(1, 1, dtype=torch.long), cache, row, last_only=True)
+        best[n] = max(best.get(n, 0.0), steps / (time.perf_counter() - t0))
+    threads = max(best, key=best.get)
+    torch.set_num_threads(threads)
+    return threads, best
+
+
+def set_threads(choice: int | str, model=None, *, quiet: bool = False) -> None:
+    """Apply --threads: a count now (model None: before loading), or "auto" once the model is
+    loaded (pick_threads; said on stderr unless quiet). "auto" with no model does nothing yet."""
+    import torch
+
+    if choice != "auto":
+        torch.set_num_threads(choice)
+    elif model is not None:
+        threads, speeds = pick_threads(model)
+        if not quiet:
+            print(f"threads: {threads} (decode tok/s by thread count: "
+                  + ", ".join(f"{n}: {v:.1f}" for n, v in speeds.items()) + ")", file=sys.stderr)
+
+
 def _read_prompts(args) -> list[str]:
     if args.prompt is not None:
         return [args.prompt]
@@ -76,7 +124,6 @@ def build_engine(target, tokenizer, args, max_len: int):
 
 
 def cmd_generate(args) -> int:
-    import torch
     from tqdm import tqdm
 
     from .engine import GenerationParams, Request
@@ -101,11 +148,11 @@ def cmd_generate(args) -> int:
     if args.verify == "typical-lossy":
         print("WARNING: --verify typical-lossy is LOSSY: output is NOT distributed as the target's",
               file=sys.stderr)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)  # a count: before loading; auto: timed on the loaded model
     loaded = load_model(args.model, progress=not args.json, batch_invariant=args.batch_invariant,
                         backend=args.backend)
     tok, target = loaded.tokenizer, loaded.model
+    set_threads(args.threads, target, quiet=args.json)
     stops = tuple(target.config.eos_token_ids) + ((tok.eos_token_id,) if tok.eos_token_id is not None else ())
     ids = [encode_prompt(tok, p, args.chat) for p in prompts]
     max_len = args.max_len or min(target.config.max_position_embeddings,
@@ -221,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verification rule; typical-lossy is lossy")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-    g.add_argument("--threads", type=_positive_int, default=None)
+    g.add_argument("--threads", type=_threads, default="auto", help=THREADS_HELP)
     add_backend_argument(g)
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise batch-invariant numerics: output independent of batch and speculation")

@@ -21,11 +21,7 @@ def _batch_sizes(s: str) -> tuple[int, ...]:
     return sizes
 
 
-from ..cli import _positive_int  # noqa: E402  (shared argument type)
-
-
-def _threads(s: str) -> int | str:
-    return s if s == "auto" else _positive_int(s)
+from ..cli import _positive_int, _threads, pick_threads  # noqa: E402,F401  (shared with generate and serve)
 
 
 def _positive_float(s: str) -> float:
@@ -120,31 +116,6 @@ def add_audit_parser(sub) -> None:
     add_backend_argument(a)
     a.add_argument("--inject-fault", type=_fault, default=None, help=argparse.SUPPRESS)
     a.set_defaults(func=cmd_audit)
-
-
-def pick_threads(model, steps: int = 6) -> tuple[int, dict]:
-    """The faster torch thread count for decoding right now, 1 or all cores, timed on a few
-    batch-1 decode steps (alternating, best of two each). On a shared machine, OpenMP threads
-    waiting at barriers for a descheduled sibling can make all-cores several times slower
-    than one thread; on an idle machine all cores win. -> (threads, tokens/s per candidate)."""
-    import os
-
-    import torch
-
-    candidates = sorted({1, os.cpu_count() or 1})
-    cache = model.new_cache(1, 16 + 4 * steps)
-    row = cache.alloc()
-    model.forward(torch.zeros(1, 16, dtype=torch.long), cache, row, last_only=True)
-    best: dict[int, float] = {}
-    for n in candidates * 2:
-        torch.set_num_threads(n)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            model.forward(torch.zeros(1, 1, dtype=torch.long), cache, row, last_only=True)
-        best[n] = max(best.get(n, 0.0), steps / (time.perf_counter() - t0))
-    threads = max(best, key=best.get)
-    torch.set_num_threads(threads)
-    return threads, best
 
 
 def config_from_args(args):

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import UsageError, _nonneg_int, _positive_int  # noqa: E402  (shared argument types)
+from ..cli import THREADS_HELP, UsageError, _nonneg_int, _positive_int, _threads, set_threads  # noqa: E402
 
 ENV_API_KEY = "VERISPEC_API_KEY"
 
@@ -101,7 +101,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-queue", type=_nonneg_int, default=64,
                    help="requests waiting for a row; beyond it requests get 429")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: --target)")
-    s.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    s.add_argument("--threads", type=_threads, default="auto", help=THREADS_HELP)
+    from ..cli import add_backend_argument
+    add_backend_argument(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
 
@@ -119,8 +121,10 @@ def build_state(args, api_key: str | None = None):
 
     args.k = resolve_k(args.policy, args.k)
 
-    loaded = load_model(args.target)
+    set_threads(args.threads)  # a count: before loading; auto: timed on the loaded model
+    loaded = load_model(args.target, backend=args.backend)
     target, tok = loaded.model, loaded.tokenizer
+    set_threads(args.threads, target)  # before the adaptive policy times its costs
     max_len = min(args.max_len, target.config.max_position_embeddings)
     drafter = make_drafter(args.draft, target, tok, max_rows=args.max_batch, max_len=max_len + args.k + 2)
     # the cost model is measured once per machine and configuration, then read from the cache
@@ -145,8 +149,6 @@ def _is_loopback(host: str) -> bool:
 
 
 def cmd_serve(args) -> int:
-    import torch
-
     from .app import make_server
 
     api_key, key_source = resolve_api_key(args)
@@ -159,8 +161,6 @@ def cmd_serve(args) -> int:
     if key_source == "--api-key":
         print("note: --api-key is visible to other users in the process list; --api-key-file or "
               f"${ENV_API_KEY} keep it out of argv", file=sys.stderr)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     state = build_state(args, api_key)
     server = make_server(state, host=args.host, port=args.port, log_level=args.log_level)
     auth = (f"API key from {key_source}" + (", /metrics public" if args.metrics_public else "")
