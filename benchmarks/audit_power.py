@@ -13,7 +13,8 @@ distribution, in process, on SmolLM2-135M):
    verified draft's exact acceptance probability a = min(1, p/q). Under the relaxed rule a
    draft is kept with probability min(1, c a) where a < 1. Replaying the calibration z-test
    on those drafts with outcomes drawn under each c, at the check's own per-test alpha
-   (Bonferroni), gives that test's power. It is a lower bound on the check's: the PIT,
+   (Bonferroni), gives the tests' power: the deployed drafter's calibration test and the
+   calibration probe's (audit/probe.py), detected when either rejects. It is a lower bound on the check's: the PIT,
    recovered and bonus tests, which also move under relaxation, are not counted; the
    trajectory's own change under the fault is not modelled.
 2. **Real** (--validate C:S): S audits with the fault `relaxed-acceptance:C` injected, seeds
@@ -41,36 +42,35 @@ GRID = (1.02, 1.05, 1.075, 1.1, 1.15, 1.2, 1.25, 1.35, 1.5, 2.0)
 REPLICATES = 4000
 
 
-def _captured_run(cfg: AuditConfig, loaded) -> tuple[dict, np.ndarray]:
-    """Run the distribution check; -> (its figures, the a of every verified draft)."""
-    seen: list[np.ndarray] = []
-    real = distribution.calibration_test
-
-    def spy(accept_prob, kept):
-        seen.append(np.asarray(accept_prob, dtype=np.float64))
-        return real(accept_prob, kept)
-    distribution.calibration_test = spy
-    try:
-        res = run_audit(cfg, target=loaded)
-    finally:
-        distribution.calibration_test = real
+def _captured_run(cfg: AuditConfig, loaded) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Run the distribution check; -> (its figures, the exact a of every verified draft of
+    the deployed drafter, and of the calibration probe's)."""
+    res = run_audit(cfg, target=loaded)
     check = next(c for c in res.checks if c.name == "distribution")
-    return {"passed": check.passed, "summary": check.summary, **check.figures}, (seen[0] if seen else np.empty(0))
+    d = check.details or {}
+    return ({"passed": check.passed, "summary": check.summary, **check.figures},
+            np.asarray(d.get("calibration_a", []), dtype=np.float64),
+            np.asarray(d.get("probe_a", []), dtype=np.float64))
 
 
-def simulated_power(a: np.ndarray, c: float, alpha: float, rng: np.random.Generator,
+def simulated_power(tests: list[np.ndarray], c: float, alpha: float, rng: np.random.Generator,
                     replicates: int = REPLICATES) -> float:
-    """P(the calibration z-test rejects at alpha) when drafts are kept w.p. min(1, c a)."""
-    relaxed = np.where(a < 1.0, np.minimum(1.0, c * a), 1.0)
-    sd = float(np.sqrt((a * (1 - a)).sum()))
-    if sd <= 1e-6:
+    """P(at least one of the calibration z-tests rejects at alpha) when every draft is kept
+    w.p. min(1, c a): one test per array of exact acceptance probabilities (the deployed
+    drafter's, the probe's)."""
+    tests = [a for a in tests if a.size and float(np.sqrt((a * (1 - a)).sum())) > 1e-6]
+    if not tests:
         return 0.0
     detected = 0
     for start in range(0, replicates, 500):  # chunks of 500 replicates bound the memory
         n = min(500, replicates - start)
-        kept = rng.random((n, a.size)) < relaxed  # [n, drafts]
-        z = (kept.sum(1) - a.sum()) / sd
-        detected += int((2 * sps.norm.sf(np.abs(z)) <= alpha).sum())
+        hit = np.zeros(n, dtype=bool)
+        for a in tests:
+            relaxed = np.where(a < 1.0, np.minimum(1.0, c * a), 1.0)
+            kept = rng.random((n, a.size)) < relaxed  # [n, drafts]
+            z = (kept.sum(1) - a.sum()) / float(np.sqrt((a * (1 - a)).sum()))
+            hit |= 2 * sps.norm.sf(np.abs(z)) <= alpha
+        detected += int(hit.sum())
     return detected / replicates
 
 
@@ -101,9 +101,10 @@ def main() -> int:
         rep = json.loads(Path(path).read_text())
         check = next(c for c in rep["checks"] if c["name"] == "distribution")
         a = np.asarray(check["details"]["calibration_a"], dtype=np.float64)
-        curve = {c: simulated_power(a, c, check["figures"]["alpha_each"], rng) for c in GRID}
+        pa = np.asarray(check["details"].get("probe_a", []), dtype=np.float64)
+        curve = {c: simulated_power([a, pa], c, check["figures"]["alpha_each"], rng) for c in GRID}
         rows.append({"draft": rep["record"]["drafter"]["name"], "size": size, "correct_passed": check["passed"],
-                     "verified_drafts": int(a.size), "mean_a": float(a.mean()),
+                     "verified_drafts": int(a.size), "probe_drafts": int(pa.size), "mean_a": float(a.mean()),
                      "share_a_below_1": float((a < 1).mean()), "alpha_each": check["figures"]["alpha_each"],
                      "seconds": None, "power": curve, "smallest_c_95": next((c for c in GRID if curve[c] >= 0.95), None),
                      "source": path})
@@ -116,19 +117,20 @@ def main() -> int:
         cfg = AuditConfig(target=args.target, draft=draft, sizes=sizes, only=("distribution",),
                           batch_sizes=(1, 4, 16) if size == "quick" else (1, 4, 16, 32))
         t0 = time.perf_counter()
-        fig, a = _captured_run(cfg, loaded)
+        fig, a, pa = _captured_run(cfg, loaded)
         secs = time.perf_counter() - t0
         alpha = fig["alpha_each"]
-        curve = {c: simulated_power(a, c, alpha, rng) for c in GRID}
+        curve = {c: simulated_power([a, pa], c, alpha, rng) for c in GRID}
         smallest = next((c for c in GRID if curve[c] >= 0.95), None)
         row = {"draft": draft, "size": size, "correct_passed": fig["passed"], "verified_drafts": int(a.size),
+               "probe_drafts": int(pa.size),
                "mean_a": float(a.mean()) if a.size else None, "share_a_below_1": float((a < 1).mean()) if a.size else None,
                "alpha_each": alpha, "seconds": round(secs, 1), "power": curve, "smallest_c_95": smallest}
         if size in validate:
             c, n = validate[size]
             hits = []
             for seed in range(1, n + 1):
-                f, _ = _captured_run(dataclasses.replace(cfg, seed=seed, inject_fault=f"relaxed-acceptance:{c}"), loaded)
+                f, _, _ = _captured_run(dataclasses.replace(cfg, seed=seed, inject_fault=f"relaxed-acceptance:{c}"), loaded)
                 hits.append(not f["passed"])
                 tqdm.write(f"  {draft} {size} relaxed c={c} seed {seed}: {'DETECTED' if hits[-1] else 'missed'}"
                            f" ({f['summary'][:90]})")
@@ -136,12 +138,12 @@ def main() -> int:
         rows.append(row)
         tqdm.write(f"{draft} {size}: {a.size} verified drafts, correct engine "
                    f"{'passes' if fig['passed'] else 'FAILS'}; smallest c at 95%: {smallest} ({secs:.0f} s)")
-    print("\n| drafter | audit | verified drafts | correct engine | " + " | ".join(f"c={c:g}" for c in GRID)
+    print("\n| drafter | audit | verified drafts (drafter + probe) | correct engine | " + " | ".join(f"c={c:g}" for c in GRID)
           + " | smallest c >= 95% | real audits with the fault |")
     print("|---|---|---|---|" + "---|" * len(GRID) + "---|---|")
     for r in rows:
         v = r.get("validated")
-        print(f"| {r['draft']} | {r['size']} | {r['verified_drafts']} | {'pass' if r['correct_passed'] else 'FAIL'} | "
+        print(f"| {r['draft']} | {r['size']} | {r['verified_drafts']} + {r.get('probe_drafts', 0)} | {'pass' if r['correct_passed'] else 'FAIL'} | "
               + " | ".join(f"{r['power'][c]:.0%}" for c in GRID)
               + f" | {r['smallest_c_95'] or '> 2'} | "
               + (f"c={v['c']:g}: {v['detected']}/{v['seeds']} detected" if v else "-") + " |")

@@ -192,9 +192,32 @@ def test_distribution_reports_each_test_and_the_drafts_it_verified(models, tmp_p
     report = _report(tiny_audit(models), tmp_path)
     f = next(c for c in report["checks"] if c["name"] == "distribution")["figures"]
     assert {t["test"] for t in f["tests"]} == {"pit", "recovered", "bonus", "calibration", "pit-tail",
-                                               "recovered-tail", "bonus-tail"}
-    assert f["correction"] == "Bonferroni" and f["alpha_each"] == pytest.approx(f["alpha"] / 7)
+                                               "recovered-tail", "bonus-tail", "probe-calibration"}
+    assert f["correction"] == "Bonferroni" and f["alpha_each"] == pytest.approx(f["alpha"] / 8)
     assert f["verified_drafts"] >= f["min_verified_drafts"] and all(t["n"] > 0 for t in f["tests"])
+    probe = next(t for t in f["tests"] if t["test"] == "probe-calibration")
+    assert probe["n"] == f["probe"]["verified_drafts"] > 200
+    # the exact rule keeps a probe draft with probability >= its nucleus mass
+    assert probe["expected"] / probe["n"] >= f["probe"]["masses"][0] - 1e-9
+
+
+def test_calibration_probe_detects_a_mild_relaxation_where_lookup_drafts_cannot(models, tmp_path):
+    """Prompt lookup's drafts are kept with a near 0 (the tiny target seldom copies): a
+    relaxed threshold min(1, 1.25 p/q) hardly moves them, and the deployed drafter's
+    calibration test passes; the probe's drafts, kept with a known a >= 0.8, fail it."""
+    import dataclasses
+
+    from tests import audit_tiny
+    real = audit_tiny.AuditConfig
+    try:
+        audit_tiny.AuditConfig = lambda **kw: dataclasses.replace(real(**kw), only=("distribution",))
+        report = _report(tiny_audit(models, fault="relaxed-acceptance:1.25", drafter="lookup"), tmp_path)
+    finally:
+        audit_tiny.AuditConfig = real
+    tests = {t["test"]: t for t in next(c for c in report["checks"] if c["name"] == "distribution")["figures"]["tests"]}
+    assert not tests["probe-calibration"]["passed"] and tests["probe-calibration"]["statistic"] > 0
+    assert tests["calibration"]["passed"], tests["calibration"]
+    assert "distribution" in report["failed_checks"]
 
 
 def test_too_few_verified_drafts_is_inconclusive_and_fails(models, tmp_path, monkeypatch):

@@ -39,6 +39,12 @@ class AuditSizes:
     long_max_batch: int | None  # long context only at batch sizes <= this (None: all)
     load_rounds: int  # plain/speculative alternations per load point (ABBA order)
     load_steps: int  # engine steps per phase per round
+    # the distribution check's calibration probe (audit/probe.py): at least this many tokens
+    # sampled with the target drafting for itself from a nucleus of its own p, at these
+    # masses (requests take them in turn); the probe's power is greatest against a relaxed
+    # threshold min(1, c p/q) at c = 1/mass. 0 tokens: no probe.
+    probe_tokens: int = 512
+    probe_masses: tuple[float, ...] = (0.8,)
 
     def __post_init__(self):
         if self.max_new_tokens < 2 or self.distribution_max_new < 2:
@@ -46,18 +52,22 @@ class AuditSizes:
         if min(self.distribution_tokens, self.short_context, self.long_context,
                self.load_rounds, self.load_steps) < 1:
             raise ValueError("audit sizes must be positive")
+        if self.probe_tokens < 0 or not self.probe_masses or not all(0 < m < 1 for m in self.probe_masses):
+            raise ValueError("probe_tokens must be >= 0 and each probe mass in (0, 1)")
 
     @classmethod
     def quick(cls) -> "AuditSizes":
         return cls("quick", prompts_per_slice=2, max_new_tokens=40, distribution_tokens=2048,
                    distribution_max_new=128, seeded_prompts=8, seeded_max_new=24, short_context=100,
-                   long_context=1000, long_max_batch=4, load_rounds=2, load_steps=3)
+                   long_context=1000, long_max_batch=4, load_rounds=2, load_steps=3,
+                   probe_tokens=512, probe_masses=(0.8,))
 
     @classmethod
     def full(cls) -> "AuditSizes":
         return cls("full", prompts_per_slice=None, max_new_tokens=48, distribution_tokens=6144,
                    distribution_max_new=96, seeded_prompts=None, seeded_max_new=48, short_context=100,
-                   long_context=1000, long_max_batch=16, load_rounds=2, load_steps=4)
+                   long_context=1000, long_max_batch=16, load_rounds=2, load_steps=4,
+                   probe_tokens=4096, probe_masses=(0.8, 0.9))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,12 @@ at every emitted position, and test what each mechanism of the rule promises (st
   above 0.99 is exactly 1% under the null (one-sided binomial test): a token that should
   (almost) never be emitted, as a recovered token drawn outside the residual, lands there;
 
+* **probe-calibration**: the calibration test on the drafts of the calibration probe
+  (audit/probe.py): extra requests where the target drafts for itself from a nucleus of its
+  own p, so that nearly every draft is kept with a known probability a = mass, where a
+  relaxed threshold moves it most. The deployed drafter's drafts are mostly kept with
+  a near 0 or 1, which carry little evidence; the probe's tokens also join the PIT families.
+
 Half the requests run under the deployed policy, half with drafting forced (a fixed k),
 so a policy that drafts little cannot make the check vacuous. The tests are combined by
 Bonferroni: each runs at ALPHA / m for the m tests with data, so a correct engine fails
@@ -32,13 +38,14 @@ import time
 
 import torch
 
-from ..engine import Request
+from ..engine import Engine, EngineConfig, Request
 from ..policy import FixedK
 from ..sampling import logits_to_probs
 from .checks import CheckResult
 from .consistency import oracle_for
 from .context import AuditContext
 from .equivalence import teacher_forced_logits
+from .probe import nucleus_q, probe_drafter
 from .stats import calibration_test, randomized_pit, tail_test, test_uniform
 
 ALPHA = 1e-3  # family-wise: false alarms of the correct engine in at most 1 audit in 1,000
@@ -115,6 +122,37 @@ def _calibration_bins(calib: list[tuple[float, int]], n_bins: int = 10) -> list[
     return out
 
 
+PROBE_K = 2  # drafts per probe step: verified drafts per forward pass peak at k = 2-3
+
+
+def _probe_requests(ctx: AuditContext, first_seed: int, max_new: int) -> list[tuple[float, list[Request]]]:
+    """The calibration probe's requests (audit/probe.py), grouped by nucleus mass: each mass
+    sees every audited temperature. None under a keyed rule (coupled), which reads no q."""
+    cfg, sizes = ctx.config, ctx.config.sizes
+    if sizes.probe_tokens <= 0 or cfg.rule == "coupled":
+        return []
+    n = math.ceil(sizes.probe_tokens / max_new)
+    nt, masses = len(cfg.temperatures), sizes.probe_masses
+    groups: dict[float, list[Request]] = {m: [] for m in masses}
+    for i in range(n):
+        ids = ctx.prompt_ids[(i * 7 + 3) % len(ctx.prompt_ids)]  # not the sampled run's order
+        groups[masses[(i // nt) % len(masses)]].append(
+            Request(ids, ctx.sampled_params(first_seed + i, max_new, cfg.temperature_of(i))))
+    return [(m, rs) for m, rs in groups.items() if rs]
+
+
+def _run_probe(ctx: AuditContext, mass: float, reqs: list[Request], batch: int, max_len: int) -> float:
+    V = ctx.model.config.vocab_size
+    drafter = probe_drafter(ctx.model, V, max_rows=batch, max_len=max_len + PROBE_K + 2, mass=mass)
+    engine = Engine(ctx.model, drafter, FixedK(PROBE_K),
+                    EngineConfig(max_batch=batch, max_len=max_len, rule=ctx.config.rule))
+    t0 = time.perf_counter()
+    with ctx.progress.stage(f"distribution: probe, nucleus {mass:g}, k={PROBE_K}, b={batch}", len(reqs)) as bar, \
+            ctx.fault():
+        engine.run(reqs, on_finish=lambda r: bar.advance())
+    return time.perf_counter() - t0
+
+
 def distribution_check(ctx: AuditContext) -> CheckResult:
     cfg, sizes = ctx.config, ctx.config.sizes
     max_new = sizes.distribution_max_new
@@ -125,7 +163,7 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     reqs = [Request(ids, ctx.sampled_params(cfg.seed * 1_000_003 + i, max_new, cfg.temperature_of(i)))
             for i, ids in enumerate(prompt_of)]
     batch = min(max(cfg.batch_sizes), n_req)
-    max_len = max(map(len, prompt_of)) + max_new
+    max_len = max(map(len, ctx.prompt_ids)) + max_new
     forced = cfg.policy != "fixed"  # the deployed policy may draft little: force drafting too
     halves = [(reqs[: n_req // 2], "deployed policy", None),
               (reqs[n_req // 2:], f"fixed k={cfg.forced_k}", FixedK(cfg.forced_k))] if forced \
@@ -136,19 +174,23 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
         if part:
             sample_s += _sample(ctx, part, min(batch, len(part)), max_len, policy,
                                 f"T={temps}, {label}, b={min(batch, len(part))}")
+    probe = _probe_requests(ctx, cfg.seed * 1_000_003 + n_req, max_new)
+    probe_s = sum(_run_probe(ctx, m, rs, min(batch, len(rs)), max_len) for m, rs in probe)
     # teacher-force the target (outside any fault) for its exact p at every emitted position
     g = torch.Generator().manual_seed(cfg.seed)
     oracle = oracle_for(ctx.drafter_factory(1, 8), ctx.model)  # the drafter's q, recomputed
-    us, us_rec, us_bonus, calib, impossible = [], [], [], [], 0
-    with ctx.progress.stage("distribution: teacher forcing", n_req) as bar:
-        for r in reqs:
+    us, us_rec, us_bonus, calib, probe_calib, impossible = [], [], [], [], [], 0
+    todo = [(r, None) for r in reqs] + [(r, m) for m, rs in probe for r in rs]
+    with ctx.progress.stage("distribution: teacher forcing", len(todo)) as bar:
+        for r, mass in todo:
             P = len(r.prompt_ids)
             logits = teacher_forced_logits(ctx.model, r.tokens[:-1], first=P - 1)  # [n_out,V]
             p = logits_to_probs(logits, r.params.sampling)  # [n_out,V]
             out = torch.tensor(r.output_ids)
             us.append(randomized_pit(p, out, g))
-            c, rec, bonus, imp = _mechanisms(r, p, draft_q(oracle, r, p.shape[-1]))
-            calib += c
+            q = draft_q(oracle, r, p.shape[-1]) if mass is None else nucleus_q(p, mass)
+            c, rec, bonus, imp = _mechanisms(r, p, q)
+            (calib if mass is None else probe_calib).extend(c)
             impossible += imp
             if rec:
                 idx = torch.tensor([j for j, _ in rec])
@@ -164,7 +206,8 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     results = {name: test_uniform(u.numpy()) for name, u in families.items()}  # sync: for scipy
     tails = {name: tail_test(u.numpy(), TAIL) for name, u in families.items()}
     calib_res = calibration_test([a for a, _ in calib], [k for _, k in calib]) if calib else None
-    m = len(results) + len(tails) + (calib_res is not None)
+    probe_res = calibration_test([a for a, _ in probe_calib], [k for _, k in probe_calib]) if probe_calib else None
+    m = len(results) + len(tails) + (calib_res is not None) + (probe_res is not None)
     alpha_each = ALPHA / m
     tests = [{"test": name, "kind": "KS, PIT over descending p", "statistic": t.ks_statistic, "n": t.n,
               "p_value": t.p_value, "alpha": alpha_each, "passed": t.passed(alpha_each), "histogram": t.histogram}
@@ -177,11 +220,25 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
                       "n": calib_res.n, "p_value": calib_res.p_value, "alpha": alpha_each,
                       "passed": calib_res.passed(alpha_each), "kept": calib_res.kept,
                       "expected": calib_res.expected, "bins": _calibration_bins(calib)})
+    if probe_res is not None:
+        tests.append({"test": "probe-calibration",
+                      "kind": f"z, kept vs min(1, p/q), q = target nucleus {'/'.join(f'{x:g}' for x, _ in probe)}",
+                      "statistic": probe_res.z, "n": probe_res.n, "p_value": probe_res.p_value,
+                      "alpha": alpha_each, "passed": probe_res.passed(alpha_each), "kept": probe_res.kept,
+                      "expected": probe_res.expected, "bins": _calibration_bins(probe_calib)})
     if impossible:  # probability 0 under the null: no correction needed, no false alarm
         tests.append({"test": "recovered-is-draft", "kind": "count, recovered token == rejected draft (q one-hot)",
                       "statistic": float(impossible), "n": len(us_rec) and sum(len(u) for u in us_rec),
                       "p_value": 0.0, "alpha": alpha_each, "passed": False})
     verified = calib_res.n if calib_res is not None else 0
+    probe_reqs = [r for _, rs in probe for r in rs]
+    probe_fig = None
+    if probe_reqs:
+        pd_ = sum(r.stats.drafted for r in probe_reqs)
+        probe_fig = {"masses": [m for m, _ in probe], "k": PROBE_K, "requests": len(probe_reqs),
+                     "tokens": sum(len(r.output_ids) for r in probe_reqs), "verified_drafts": len(probe_calib),
+                     "acceptance_rate": sum(r.stats.accepted for r in probe_reqs) / pd_ if pd_ else None,
+                     "seconds": probe_s}
     drafted = sum(r.stats.drafted for r in reqs)
     accepted = sum(r.stats.accepted for r in reqs)
     tokens = sum(len(r.output_ids) for r in reqs)
@@ -198,17 +255,20 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     else:
         summary = (f"{m} tests pass at family-wise alpha {ALPHA:g}: PIT KS p = {pit.p_value:.3g} over "
                    f"{pit.n} tokens, {verified} verified drafts calibrated"
-                   + (f" (z = {calib_res.z:+.2f})" if calib_res is not None else "") + f", T={temps}")
+                   + (f" (z = {calib_res.z:+.2f})" if calib_res is not None else "")
+                   + (f", {probe_res.n} probe drafts (z = {probe_res.z:+.2f})" if probe_res is not None else "")
+                   + f", T={temps}")
     figures = {"temperature": cfg.temperature, "temperatures": list(cfg.temperatures), "top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p,
                "rule": cfg.rule, "alpha": ALPHA, "alpha_each": alpha_each, "correction": "Bonferroni",
                **pit.to_dict(), "tests": tests, "verified_drafts": verified,
                "min_verified_drafts": cfg.min_verified_drafts, "inconclusive": inconclusive,
                "drafting_forced": forced, "requests": n_req, "batch": batch, "max_new_tokens": max_new,
-               "eos_ignored": True, "drafted": drafted,
+               "eos_ignored": True, "drafted": drafted, "probe": probe_fig,
                "acceptance_rate": accepted / drafted if drafted else None,
                "mean_accepted_length": tokens / sum(r.stats.target_passes for r in reqs),
                "sampling_tokens_per_s": tokens / sample_s if sample_s else None}
     # every verified draft's exact acceptance probability: what benchmarks/audit_power.py
     # replays to measure this check's power against relaxed acceptance rules
-    details = {"calibration_a": [round(a, 6) for a, _ in calib]}
+    details = {"calibration_a": [round(a, 6) for a, _ in calib],
+               "probe_a": [round(a, 6) for a, _ in probe_calib]}
     return CheckResult("distribution", passed, summary, figures, details)

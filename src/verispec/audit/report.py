@@ -164,15 +164,21 @@ def plot_pngs(report: dict) -> dict[str, bytes]:
             ax.set_title(f"{name}: KS p = {t['p_value']:.3g}, n = {t['n']}", fontsize=8)
             ax.set_xlabel("u (CDF over descending p)", fontsize=8)
             ax.tick_params(labelsize=7)
-        ax = axes.flat[3]
-        t = tests.get("calibration")
-        if t is not None and t.get("bins"):
-            bins = t["bins"]
+        ax = axes.flat[3]  # the calibration family: the deployed drafter's drafts and the probe's
+        cal = [(name, tests[name]) for name in ("calibration", "probe-calibration")
+               if name in tests and tests[name].get("bins")]
+        if cal:
             ax.plot([0, 1], [0, 1], color="k", lw=1)
-            ax.scatter([b["mean_a"] for b in bins], [b["kept_rate"] for b in bins],
-                       s=[8 + 40 * b["n"] / max(x["n"] for x in bins) for b in bins],
-                       color="#1565c0" if t["passed"] else "#c62828")
-            ax.set_title(f"calibration: z = {t['statistic']:+.2f}, p = {t['p_value']:.3g}, n = {t['n']}", fontsize=8)
+            titles = []
+            for (name, t), marker, ok in zip(cal, ("o", "s"), ("#1565c0", "#ef6c00")):
+                bins = t["bins"]
+                ax.scatter([b["mean_a"] for b in bins], [b["kept_rate"] for b in bins], marker=marker,
+                           s=[8 + 40 * b["n"] / max(x["n"] for x in bins) for b in bins],
+                           color=ok if t["passed"] else "#c62828",
+                           label=f"{'drafter' if name == 'calibration' else 'probe'}: n = {t['n']}")
+                titles.append(f"{'drafter' if name == 'calibration' else 'probe'} z = {t['statistic']:+.2f}")
+            ax.set_title("calibration: " + ", ".join(titles), fontsize=8)
+            ax.legend(fontsize=7, loc="upper left")
             ax.set_xlabel("exact acceptance min(1, p/q)", fontsize=8)
             ax.set_ylabel("kept", fontsize=8)
             ax.set_xlim(0, 1.02)
@@ -267,8 +273,13 @@ def _sections(report: dict) -> list[tuple[str, list[str], list[list]]]:
                     [[_temps(f), f["n"], _f(f["ks_statistic"], ".4f"), _f(f["p_value"], ".3g"), f["alpha"],
                       _pct(f["acceptance_rate"]), _f(f["mean_accepted_length"]), d["passed"]]]))
         if f.get("tests"):
+            pr = f.get("probe")
+            probe_txt = (f"; calibration probe: {pr['verified_drafts']} drafts of the target drafting for itself "
+                         f"from its own nucleus {'/'.join(f'{m:g}' for m in pr['masses'])}, k={pr['k']}, "
+                         f"acceptance {_pct(pr['acceptance_rate'])}") if pr else ""
             out.append((f"Distribution: one test per mechanism ({f['correction']}, alpha {f['alpha']:g} in all; "
-                        f"{f['verified_drafts']} verified drafts, at least {f['min_verified_drafts']} needed)",
+                        f"{f['verified_drafts']} verified drafts, at least {f['min_verified_drafts']} needed"
+                        f"{probe_txt})",
                         ["test", "kind", "n", "statistic", "p-value", "alpha", "passed"],
                         [[t["test"], t["kind"], t["n"], _f(t["statistic"], ".3g"), _f(t["p_value"], ".3g"),
                           _f(t["alpha"], ".2g"), t["passed"]] for t in f["tests"]]))

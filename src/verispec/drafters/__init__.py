@@ -44,14 +44,16 @@ class Drafter(Protocol):
 
 
 def draft_from_logits(logits: torch.Tensor, active: list[int], i: int, tokens, sampling, generators,
-                      out: torch.Tensor, probs: torch.Tensor | None, confidence: bool = False
-                      ) -> list[float] | None:
+                      out: torch.Tensor, probs: torch.Tensor | None, confidence: bool = False,
+                      transform=None) -> list[float] | None:
     """Fill draft position i for the active rows from the drafter's logits [B',V].
 
     Greedy rows take the argmax (one vectorised call); sampled rows draw from q with
     their own random source and, where the rule needs it, record q in probs [B,K,V].
     With confidence=True, returns the drafter's probability of each drafted token
     (greedy rows: the softmax's top probability; sampled rows: q of the token drawn).
+    `transform(q) -> q'` replaces a sampled row's q before the draw (the audit's probe
+    drafter: audit/probe.py); q' is what is drawn from and what the rule reads.
     """
     best = logits.argmax(-1).tolist()  # sync: one per draft position for the whole batch
     conf = None
@@ -64,6 +66,8 @@ def draft_from_logits(logits: torch.Tensor, active: list[int], i: int, tokens, s
             out[b, i] = best[j]
             continue
         q = logits_to_probs(logits[j], sp)  # [V]
+        if transform is not None:
+            q = transform(q)
         if probs is not None:
             probs[b, i, :q.shape[-1]] = q
         out[b, i] = sample_token(q, sp, generators[b], len(tokens[b]) + i)

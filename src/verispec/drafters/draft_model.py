@@ -32,7 +32,8 @@ class DraftModelDrafter:
     halts = True  # propose() takes a halt rule (see drafters/__init__.py)
 
     def __init__(self, model, target_vocab: int, *, max_rows: int, max_len: int,
-                 draft_tokenizer=None, target_tokenizer=None, name: str = "draft-model"):
+                 draft_tokenizer=None, target_tokenizer=None, name: str = "draft-model",
+                 q_transform=None):
         check_same_tokenizer(draft_tokenizer, target_tokenizer)
         if model.config.vocab_size > target_vocab:
             raise TokenizerMismatchError(
@@ -40,6 +41,7 @@ class DraftModelDrafter:
         self.model = model
         self.name = name
         self.target_vocab = target_vocab
+        self.q_transform = q_transform  # q -> the distribution drafts are drawn from (None: q)
         self.cache = model.new_cache(max_rows, max_len)
         self.prompt_cache = None  # engine.prompt_cache.PromptCache: prefills to reuse
 
@@ -76,7 +78,7 @@ class DraftModelDrafter:
         #    the halt rule stops them on the draft's own confidence
         for i in range(K):
             conf = draft_from_logits(logits, active, i, tokens, sampling, generators, out, probs,
-                                     confidence=halt is not None)
+                                     confidence=halt is not None, transform=self.q_transform)
             active = apply_halt(halt, i, active, k, conf, num)
             if not active:
                 break
