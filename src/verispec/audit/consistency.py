@@ -12,8 +12,9 @@ conditioned on a rejected token and cannot be recomputed from the final sequence
 * layer-skip: the target's first N layers + final norm + head, teacher-forced;
 * draft model: the draft model, teacher-forced; greedy drafts are its argmax.
 
-Model drafters count a mismatch as a near-tie when the drafted token's logit is within
-TIE_MARGIN of the argmax in the teacher-forced draft logits (kernels differ).
+Model drafters count a mismatch as a near-tie when the drafted token's logit is within the
+draft model's tie margin of the argmax in the teacher-forced draft logits (kernels differ):
+TIE_MARGIN on an fp32 backend, the measured batching noise on a noisy one (tie_margin_for).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..drafters.layerskip import LayerSkipDrafter
 from ..drafters.lookup import PromptLookupDrafter, lookup_continuation
 from .checks import CheckResult
 from .context import AuditContext, GreedyRuns
-from .equivalence import TIE_MARGIN, teacher_forced_logits
+from .equivalence import TIE_MARGIN, teacher_forced_logits, tie_margin_for
 
 MAX_LISTED = 20
 
@@ -48,7 +49,8 @@ def oracle_for(drafter, target_model) -> Oracle | None:
     return None
 
 
-def check_request(oracle: Oracle, req, k: int, logits_cache: dict) -> tuple[int, int, list[dict]]:
+def check_request(oracle: Oracle, req, k: int, logits_cache: dict,
+                  tie_margin: float = TIE_MARGIN) -> tuple[int, int, list[dict]]:
     """-> (positions compared, near-ties, mismatches) for one finished greedy request."""
     full, P = req.tokens, len(req.prompt_ids)
     logits = best = None
@@ -86,7 +88,7 @@ def check_request(oracle: Oracle, req, k: int, logits_cache: dict) -> tuple[int,
             if drafted[i] == best[j]:
                 continue
             gap = float(logits[j, best[j]] - logits[j, drafted[i]])  # >= 0; tiny: numerics (sync: rare)
-            if gap < TIE_MARGIN:
+            if gap < tie_margin:
                 ties += 1
             else:
                 bad.append({"step": step, "position": pos + 1, "drafted": drafted[i], "expected": best[j],
@@ -103,13 +105,15 @@ def drafter_consistency_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResul
                            f"not applicable: no reference implementation for drafter {name!r}",
                            {"drafter": name, "applicable": False}, informational=True)
     logits_cache: dict = {}
+    tie = tie_margin_for(oracle.model) if oracle.kind == "model" else None  # lookup: exact integers
     per_batch, mismatches = [], []
     total = sum(len(v) for v in runs.speculative.values())
     with ctx.progress.stage(f"drafter consistency ({oracle.kind})", total) as bar:
         for b, reqs in sorted(runs.speculative.items()):
             compared = ties = n_bad = 0
             for i, r in enumerate(reqs):
-                c, t, bad = check_request(oracle, r, ctx.config.k, logits_cache)
+                c, t, bad = check_request(oracle, r, ctx.config.k, logits_cache,
+                                          tie["value"] if tie else TIE_MARGIN)
                 compared, ties, n_bad = compared + c, ties + t, n_bad + len(bad)
                 for m in bad[:MAX_LISTED - len(mismatches)]:
                     mismatches.append({"batch": b, "id": ctx.prompts[i].id, **m})
@@ -124,6 +128,7 @@ def drafter_consistency_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResul
                               "(stale drafter state)")
     figures = {"drafter": name, "oracle": oracle.kind, "applicable": True,
                "positions_compared": compared, "mismatches": n_bad,
-               "near_ties": sum(r["near_ties"] for r in per_batch), "tie_margin": TIE_MARGIN}
+               "near_ties": sum(r["near_ties"] for r in per_batch),
+               "tie_margin": tie["value"] if tie else TIE_MARGIN, "tie_margin_source": tie}
     return CheckResult("drafter-consistency", passed, summary, figures,
                        {"per_batch": per_batch, "mismatches": mismatches})

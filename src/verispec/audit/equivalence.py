@@ -4,12 +4,41 @@ divergence, and the reference's top-2 logit margin there (near-tie vs bug)."""
 from __future__ import annotations
 
 import math
+import time
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
 
-TIE_MARGIN = 1e-4  # a divergence below this top-2 logit margin is numerics, not a bug
+TIE_MARGIN = 1e-4  # a divergence below this top-2 logit margin is numerics, not a bug (fp32 backends)
 EXACT_MATCH_MIN = 0.95  # at least this share of prompts identical
+
+
+_MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> tie_margin_for's answer
+
+
+def tie_margin_for(model) -> dict:
+    """The near-tie margin on this model's backend, and where it comes from:
+    {"value": margin, "source": ..., plus the measurement when there is one}.
+
+    The native runtime computes in fp32 with kernels whose only variation is summation order,
+    so TIE_MARGIN (1e-4) is its bound. A backend that declares `noisy_numerics` (ggml:
+    8-bit-rounded activations, kernels that depend on how many tokens share a pass and on
+    the KV cell order) moves a top-2 gap by far more than that in plain decoding, with no
+    speculation: its margin is its own measured batching noise (models/noise.py: the
+    largest change of a top-2 gap, against a fresh single-row decode), measured once per
+    model, on the threads in use, and never below TIE_MARGIN."""
+    if not getattr(model, "noisy_numerics", False):
+        return {"value": TIE_MARGIN, "source": "fixed (fp32 backend)"}
+    if model not in _MEASURED:
+        from ..models.noise import batching_noise
+        t0 = time.perf_counter()
+        noise = batching_noise(model, seeds=(0, 1, 2))
+        _MEASURED[model] = {"value": max(TIE_MARGIN, noise["margin"]),
+                            "source": "measured batching noise of the backend (models/noise.py)",
+                            "backend": getattr(model, "backend", None), "noise_logit": noise["logit"],
+                            "noise_top2_gap": noise["margin"], "seconds": round(time.perf_counter() - t0, 1)}
+    return dict(_MEASURED[model])
 
 
 def near_tie_allowance(n: int) -> int:

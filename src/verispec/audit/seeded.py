@@ -3,7 +3,9 @@ seeded request samples with noise keyed on (seed, position) and is verified by t
 coupled rule, so speculative decoding must emit byte for byte the tokens seeded plain
 decoding emits, at every audited batch size, under the deployed policy and with drafting
 forced. A first divergence is a near-tie (numerics) when the reference's top-2 margin of
-log p + g there is below TIE_MARGIN, as in the greedy equivalence check."""
+log p + g there is below the backend's tie margin (tie_margin_for, as in the greedy
+equivalence check); a measured margin is divided by the request's temperature, since a
+logit gap moved by d moves the gap of log p by d / T."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from ..sampling import SamplingParams, keyed_gumbel, logits_to_probs
 from ..verify import LOSSY_RULES
 from .checks import CheckResult
 from .context import AuditContext
-from .equivalence import TIE_MARGIN, compare, near_tie_allowance, reference_logits_at
+from .equivalence import compare, near_tie_allowance, reference_logits_at, tie_margin_for
 
 
 def _keyed_margin(ctx: AuditContext, sp: SamplingParams):
@@ -62,13 +64,19 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
         configs.append((max(cfg.greedy_batch_sizes), FixedK(cfg.forced_k), f"fixed k={cfg.forced_k}"))
     per_config, rows, failures = [], [], []
     allowance = 0 if cfg.batch_invariant else near_tie_allowance(n)
+    tie = tie_margin_for(ctx.model)
+    per_t = "noise_top2_gap" in tie  # a measured logit-gap noise d moves the gap of log p by d / T
+
+    def margin_for(sp: SamplingParams) -> float:
+        return tie["value"] / sp.temperature if per_t else tie["value"]
     for b, policy, label in configs:
         reqs = requests()
         with ctx.progress.stage(f"seeded: speculative, {label}, b={b}", n) as bar, ctx.fault():
             ctx.engine(min(b, n), max_len, policy=policy).run(reqs, on_finish=lambda r: bar.advance())
         counts = {"identical": 0, "near-tie": 0, "divergence": 0}
         for i, (ref, got) in enumerate(zip(plain, reqs)):
-            c = compare(prompt_ids[i], ref.output_ids, got.output_ids, _keyed_margin(ctx, sampling[i]))
+            c = compare(prompt_ids[i], ref.output_ids, got.output_ids, _keyed_margin(ctx, sampling[i]),
+                        margin_for(sampling[i]))
             counts[c.verdict] += 1
             if c.verdict != "identical":
                 rows.append({"batch": b, "policy": label, "id": ctx.prompts[chosen[i]].id, **c.to_dict()})
@@ -92,7 +100,9 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
                    + f" (T={temps}, {drafted} drafts verified)")
     figures = {"applicable": True, "temperature": cfg.temperature, "temperatures": list(cfg.temperatures),
                "prompts": n, "max_new_tokens": max_new,
-               "drafts_verified": drafted, "tie_margin": TIE_MARGIN, "near_tie_allowance": allowance,
+               "drafts_verified": drafted, "tie_margin": tie["value"], "tie_margin_source": tie,
+               "tie_margin_scaling": "divided by each request's temperature" if per_t else None,
+               "near_tie_allowance": allowance,
                "divergences": sum(r["divergence"] for r in per_config),
                "near_ties": sum(r["near-tie"] for r in per_config),
                "reference": "seeded plain decoding, batch 1", "seconds": round(time.perf_counter() - t0, 1)}

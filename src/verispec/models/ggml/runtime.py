@@ -60,6 +60,9 @@ class GgmlModel:
 
     runtime = "ggml"
     partial_layers = False  # forward(num_layers < L) is impossible: no layer-skip
+    # logits move with pass width and KV cell order (see the module docstring): the audit takes
+    # its near-tie margin from this backend's measured noise (audit/equivalence.tie_margin_for)
+    noisy_numerics = True
 
     def __init__(self, path: str | Path, sha256: str):
         ll = bindings()
