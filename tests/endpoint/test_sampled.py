@@ -10,7 +10,8 @@ from scipy import stats as sps
 
 from tests.server.helpers import LiveServer, make_state
 from verispec.audit.endpoint.runner import run_endpoint_audit
-from verispec.audit.endpoint.sampled import pit_top_n, sampler_settings
+from verispec.audit.endpoint.client import EndpointRun, LevelRun, PromptResult
+from verispec.audit.endpoint.sampled import distribution_figures, pit_top_n, sampler_settings
 from verispec.audit.suite import SuitePrompt
 
 
@@ -47,6 +48,38 @@ def test_pit_top_n_refuses_what_is_not_a_distribution():
     assert pit_top_n(1, [], r) is None
     assert pit_top_n(1, [(1, 0.0), (2, 0.0)], r) is None  # two tokens of probability 1
     assert pit_top_n("a", [("a", None)], r) is None
+
+
+def _exact_answers(n_answers: int, n_tokens: int, drop_every: int = 0) -> EndpointRun:
+    """Answers sampled exactly from their listed distributions; with drop_every = d, every
+    d-th token comes without logprobs, as llama.cpp sends the tokens of a verification step."""
+    rng = np.random.default_rng(0)
+    results = []
+    for a in range(n_answers):
+        toks, ids, tops = [], [], []
+        for i in range(n_tokens):
+            p = rng.dirichlet(np.full(30, 0.3))
+            x = int(rng.choice(30, p=p))
+            if drop_every and i % drop_every == 0:
+                continue  # emitted (counted in usage) but no logprobs sent for it
+            toks.append(str(x))
+            ids.append(x)
+            tops.append([(int(j), float(np.log(p[j]))) for j in np.argsort(-p)[:20]])
+        results.append(PromptResult(f"a{a}", "s", text="x", finish_reason="length", completion_tokens=n_tokens,
+                                    tokens=toks, token_logprobs=[0.0] * len(toks), token_ids=ids, top=tops))
+    return EndpointRun("http://x", "m", "llama.cpp", True, [LevelRun(8, 1.0, results, None)])
+
+
+def test_tokens_sent_without_logprobs_make_the_check_inconclusive():
+    full = distribution_figures(_exact_answers(16, 40))
+    assert full["passed"] and full["tokens_without_logprobs"] == 0 and full["emitted_tokens"] == 640
+    gap = distribution_figures(_exact_answers(16, 40, drop_every=2))
+    # the scored half still follows its logprobs, but the unscored half is untested: no pass
+    assert gap["p_value"] > 1e-3 and gap["n"] == 320
+    assert gap["tokens_without_logprobs"] == 320 and gap["emitted_tokens"] == 640
+    assert not gap["passed"] and "no logprobs for 320 of 640 emitted tokens" in gap["reason"]
+    few = distribution_figures(_exact_answers(16, 40, drop_every=1))
+    assert not few["passed"] and "no usable logprobs" in few["reason"]
 
 
 def test_every_sampler_setting_is_sent():
