@@ -73,16 +73,55 @@ def test_padding_positions_are_zeros(smol):
     assert torch.equal(last[1], m.forward(torch.tensor([[4, 5, 9]]), fresh, row)[0, -1])  # its own last token
 
 
-def test_a_row_fed_past_its_rollback_is_refused(smol):
-    """llama.cpp checks that a feed continues a row where it ends: a cache whose lengths
-    disagree with what llama.cpp holds cannot decode silently."""
+def test_a_length_lowered_directly_is_a_rollback_and_one_raised_is_refused(smol):
+    """As on the native cache, a row's length is the truth: lowering it directly (the draft
+    model's rollback does) drops what llama.cpp holds past it before the next decode, which
+    then equals a fresh decode of the kept tokens; a length raised past what llama.cpp holds
+    is refused by llama.cpp's own position check, never decoded silently."""
     m = smol.model
     cache = m.new_cache(2, 32)
     row = cache.alloc()
     m.forward(torch.tensor([[1, 2, 3, 4]]), cache, row)
-    cache.lengths[row] = 2  # a rollback that skipped llama_memory_seq_rm
+    cache.lengths[row] = 2  # a rollback without truncate()
+    got = m.forward(torch.tensor([[5, 6]]), cache, row)[0]
+    assert cache.lengths[row].tolist() == [4] and cache.held[row].tolist() == [4]
+    fresh = m.new_cache(1, 32)
+    ref = m.forward(torch.tensor([[1, 2, 5, 6]]), fresh, fresh.alloc())[0, 2:]
+    assert torch.equal(got, ref)
+    cache.lengths[row] = 6  # positions 4 and 5 were never written
     with pytest.raises(RuntimeError, match="llama_decode failed"):
-        m.forward(torch.tensor([[5]]), cache, row)
+        m.forward(torch.tensor([[7]]), cache, row)
+
+
+def test_draft_model_rejections_on_ggml(smol, noise):
+    """A draft model that disagrees with the target (the Qwen-pair case: drafts rejected,
+    the draft cache rolled back every step) decodes without a failed request, and its
+    greedy output is plain decoding's within the measured noise."""
+    from verispec.drafters.draft_model import DraftModelDrafter
+    m = smol.model
+    prompts = _prompts(smol.tokenizer, 4)
+    plain = [r.output_ids for r in _run(m, prompts, batch=1, max_new=12)]
+
+    class Contrary:  # the same model, its argmax pushed to the second choice at every other position
+        config, runtime = m.config, m.runtime
+
+        def new_cache(self, rows, n):
+            return m.new_cache(rows, n)
+
+        def forward(self, tokens, cache, rows, num_new=None, **kw):
+            out = m.forward(tokens, cache, rows, num_new, **kw)
+            if int(cache.lengths[torch.as_tensor(rows).reshape(-1)[0]]) % 2:
+                out = out.clone()
+                top = out.argmax(-1, keepdim=True)
+                out.scatter_(-1, top, out.min().item())
+            return out
+
+    dm = DraftModelDrafter(Contrary(), m.config.vocab_size, max_rows=4, max_len=max(map(len, prompts)) + 20)
+    reqs = _run(m, prompts, dm, k=3, batch=4, max_new=12)
+    assert all(r.finish_reason in ("stop", "length") for r in reqs), [r.error for r in reqs]
+    drafted, accepted = sum(r.stats.drafted for r in reqs), sum(r.stats.accepted for r in reqs)
+    assert drafted > 0 and accepted < 0.8 * drafted  # drafts were rejected: rollbacks happened
+    assert_equivalent(m, prompts, plain, [r.output_ids for r in reqs], noise, 0.5)
 
 
 def test_cache_interface_errors(smol):
@@ -202,9 +241,15 @@ def test_generate_cli_on_ggml(smol, capsys):
 
     from verispec.cli import main
     from verispec.models.presets import PRESETS, locate_parts
+    import os
     path = str(locate_parts(PRESETS[PRESET])[0])  # a .gguf path: ggml by default
-    rc = main(["generate", "--model", path, "--prompt", "def fib(n):", "--max-new-tokens", "8",
-               "--draft", "lookup", "--json", "--batch-size", "1"])
+    before = torch.get_num_threads()
+    try:  # --threads auto (the default): 1 or all cores, timed on the loaded GGUF
+        rc = main(["generate", "--model", path, "--prompt", "def fib(n):", "--max-new-tokens", "8",
+                   "--draft", "lookup", "--json", "--batch-size", "1"])
+        assert torch.get_num_threads() in {1, os.cpu_count() or 1}
+    finally:
+        torch.set_num_threads(before)
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 8

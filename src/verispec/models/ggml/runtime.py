@@ -143,6 +143,7 @@ class GgmlModel:
             raise ValueError("rows and num_new need one entry per batch row")
         if any(n < 0 or n > T for n in n_l):
             raise ValueError("num_new must lie in [0, T]")
+        cache._drop_stale(rows_l)  # rows whose length was lowered directly (a rollback)
         start = cache.lengths[rows_l].tolist()  # [B] CPU
         end = max((s + n for s, n in zip(start, n_l)), default=0)
         if end > cache.max_len:
@@ -169,6 +170,7 @@ class GgmlModel:
                 else:
                     out[torch.from_numpy(b_idx[sel]), torch.from_numpy(t_idx[sel])] = got
         cache.lengths[rows_l] = torch.tensor([s + n for s, n in zip(start, n_l)], dtype=torch.long)
+        cache.held[rows_l] = cache.lengths[rows_l]
         return out
 
 
@@ -176,13 +178,19 @@ class GgmlCache(RowPool):
     """A llama.cpp context as a KV cache with one length per row (models/cache.KVCache's
     interface; the row bookkeeping is RowPool's). Row r is sequence id r; its valid positions are [0, lengths[r]), and llama.cpp
     holds exactly those (truncate removes the rest with llama_memory_seq_rm), so a feed that
-    does not continue a row where it ends is refused by llama.cpp's own position check."""
+    does not continue a row where it ends is refused by llama.cpp's own position check.
+
+    As on the native cache, a row's length is the truth: lowering lengths[r] directly (what
+    drafters/draft_model.py's rollback does) rolls the row back; the positions llama.cpp
+    still holds past it (`held`) are removed before the row's next decode or snapshot. A
+    length raised past what llama.cpp holds is refused at the next decode."""
 
     def __init__(self, model: GgmlModel, max_rows: int, max_len: int):
         ll = model._ll
         if max_rows < 1 or max_len < 1:
             raise ValueError("max_rows and max_len must be >= 1")
         super().__init__(max_rows, max_len)
+        self.held = torch.zeros(max_rows, dtype=torch.long)  # [R] positions llama.cpp holds per row
         self._ll, self.model = ll, model
         p = ll.llama_context_default_params()
         p.n_ctx = max_rows * max_len  # one unified buffer: rows share its cells
@@ -257,11 +265,19 @@ class GgmlCache(RowPool):
         for r, n in zip(rows, new_lengths):
             if not self._ll.llama_memory_seq_rm(self.mem, int(r), int(n), -1):
                 raise RuntimeError(f"llama.cpp could not remove positions >= {n} of row {r}")
+            self.held[int(r)] = min(int(self.held[int(r)]), int(n))
+
+    def _drop_stale(self, rows: list[int]) -> None:
+        """Remove what llama.cpp holds past each row's length (a length lowered directly)."""
+        stale = [r for r in rows if int(self.lengths[r]) < int(self.held[r])]
+        if stale:
+            self._release(stale, self.lengths[stale].tolist())
 
     # -- snapshots (engine/prompt_cache.py) ------------------------------------------
     def snapshot(self, row: int):
         """The row's keys and values as llama.cpp's sequence state (bytes)."""
         ll = self._ll
+        self._drop_stale([row])
         size = ll.llama_state_seq_get_size(self.ctx, row)
         buf = (ctypes.c_uint8 * size)()
         if ll.llama_state_seq_get_data(self.ctx, buf, size, row) != size:
@@ -277,6 +293,6 @@ class GgmlCache(RowPool):
         ll.llama_memory_seq_rm(self.mem, row, 0, -1)
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if ll.llama_state_seq_set_data(self.ctx, buf, len(data), row) == 0:
-            self.lengths[row] = 0
+            self.lengths[row] = self.held[row] = 0
             raise CacheFullError(f"llama.cpp could not restore a snapshot into row {row}")
-        self.lengths[row] = T
+        self.lengths[row] = self.held[row] = T
