@@ -94,14 +94,25 @@ def test_speculative_run_reports_the_counters(servers, prompts):
 
 
 def test_sampled_distribution_of_the_speculative_server(servers, prompts):
-    """At temperature 1 with every llama.cpp sampler setting sent as off, the speculative
-    server's tokens follow its own logprobs (the top-20 + tail PIT passes)."""
+    """At temperature 1 with every llama.cpp sampler setting sent as off: llama-server sends
+    no logprobs for the tokens of a speculative verification step (its tools/server sets
+    none: "TODO: set result.probs"), so the check counts them, says they are untested and
+    does not pass; the tokens that do carry logprobs follow them (the top-20 + tail PIT)."""
     from verispec.audit.endpoint.client import EndpointConfig
     from verispec.audit.endpoint.sampled import distribution_figures, sampled_run
     _, spec = servers
     run = sampled_run(EndpointConfig(spec.url, max_tokens=48), "llama.cpp", prompts, 1024, 8)
     f = distribution_figures(run)
-    assert f["failed_answers"] == 0 and f["n"] >= 900 and f["unscored_tokens"] == 0
-    assert f["passed"], f
+    print({k: v for k, v in f.items() if k not in ("histogram", "tests")})
+    assert f["failed_answers"] == 0 and f["unscored_tokens"] == 0
     drafted = sum((r.server_info or {}).get("drafted") or 0 for lv in run.levels for r in lv.results)
+    accepted = sum((r.server_info or {}).get("accepted") or 0 for lv in run.levels for r in lv.results)
     assert drafted > 0  # the sampled answers were speculative
+    # every emitted token is either scored or counted as sent without logprobs
+    assert f["n"] + f["tokens_without_logprobs"] == f["emitted_tokens"]
+    # a verification step's tokens come without logprobs (a step may stop an answer at its
+    # length limit after counting drafts as accepted, so no exact match with `accepted`)
+    print(f"drafted {drafted}, accepted {accepted}, sent without logprobs {f['tokens_without_logprobs']}")
+    assert accepted > 0 and f["tokens_without_logprobs"] > 0
+    assert f["n"] >= 300 and f["p_value"] > 1e-3, f  # what is scored follows the logprobs
+    assert not f["passed"] and "no logprobs for" in f["reason"]  # the untested tokens are no pass
