@@ -93,9 +93,10 @@ class DraftModelDrafter:
         return seq[cached:]
 
     def rollback(self, rows, committed):
+        """The draft cache keeps at most the committed tokens (it may lag them: catch-up)."""
         lens = self.cache.lengths
-        for r, c in zip(rows, committed):
-            lens[r] = min(int(lens[r]), c)
+        rows = list(rows)
+        self.cache.truncate(rows, [min(int(lens[r]), c) for r, c in zip(rows, committed)])
 
     def release(self, rows):
         self.cache.free(rows)
