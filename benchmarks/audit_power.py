@@ -110,8 +110,16 @@ def main() -> int:
                      "source": path})
     jobs = [(d, s) for d in args.drafts.split(",") for s in args.sizes.split(",") if s]
     if jobs:
+        import torch
+
+        from verispec.cli import pick_threads
         from verispec.models import load_model
         loaded = load_model(args.target, progress=False)
+        # as `verispec audit` does: on a shared machine all-cores torch can be several times
+        # slower than one thread (a correct-engine run took over 45 minutes at 2 threads)
+        threads, speeds = pick_threads(loaded.model)
+        torch.set_num_threads(threads)
+        tqdm.write(f"torch threads: {threads} ({speeds})")
     for draft, size in tqdm(jobs, desc="power", unit="cell"):
         sizes = AuditSizes.quick() if size == "quick" else AuditSizes.full()
         cfg = AuditConfig(target=args.target, draft=draft, sizes=sizes, only=("distribution",),
