@@ -119,7 +119,7 @@ def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, 
                "emitted_tokens": emitted, "tokens_without_logprobs": without}
     # A token sent with no logprobs cannot be scored, and which tokens lack them is not
     # chance: llama.cpp's server (0.3.36's vendored tools/server) sets none for the tokens
-    # of a speculative verification step ("TODO: set result.probs"), so what is left to
+    # of a speculative verification step (its source leaves result.probs unset there), so what is left to
     # score are the tokens decoded without a draft. Their PITs are still exact under an
     # exact sampler (whether a step drafts is fixed before its token is sampled), so a
     # failure of the rest is evidence; a pass says nothing of the missing tokens.
