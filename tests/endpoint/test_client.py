@@ -5,7 +5,8 @@ import pytest
 
 from tests.server.helpers import LiveServer, make_state, reference_text
 from verispec.audit.suite import SuitePrompt
-from verispec.audit.endpoint.client import EndpointConfig, audit_endpoint, first_divergence
+from verispec.audit.endpoint.client import (EndpointClient, EndpointConfig, audit_endpoint, audit_paired,
+                                            first_divergence)
 from verispec.audit.endpoint.null import compare
 from verispec.audit.endpoint.counters import MetricsParseError, parse_prometheus
 
@@ -45,6 +46,50 @@ def test_endpoint_run_under_concurrency(server):
     rows = compare(ref.levels[0].results, run.levels[-1].results, 4).rows
     assert all(r["error"] is None and r["exact"] for r in rows)
     assert run.to_dict()["levels"][1]["concurrency"] == 4
+
+
+def test_paired_run_alternates_waves_and_keeps_the_counters_apart(server, monkeypatch):
+    """run_paired: each wave of c prompts to one side, then to the other, the order
+    alternating; on a shared server each side's counters hold only its own requests."""
+    calls = []
+    real = EndpointClient.complete
+
+    async def logged(self, model, pid, slice_, prompt):
+        calls.append(("ref" if self.cfg.extra_body else "end", pid))
+        return await real(self, model, pid, slice_, prompt)
+    monkeypatch.setattr(EndpointClient, "complete", logged)
+    cfg = EndpointConfig(server.url, chat=False, max_tokens=12, concurrency=(1, 3), logprobs=True)
+    ref_cfg = EndpointConfig(server.url, chat=False, max_tokens=12, logprobs=True,
+                             extra_body={"verispec": {"speculate": False}})
+    run, ref = audit_paired(cfg, ref_cfg, PROMPTS)
+    c1 = [side for side, _ in calls[:2 * len(PROMPTS)]]
+    assert c1 == ["end", "ref", "ref", "end"] * (len(PROMPTS) // 2)  # one prompt a wave, order alternating
+    c3 = calls[2 * len(PROMPTS):]
+    assert [side for side, _ in c3[:6]] == ["end"] * 3 + ["ref"] * 3 and [side for side, _ in c3[6:9]] == ["ref"] * 3
+    assert {pid for _, pid in c3[:3]} == {pid for _, pid in c3[3:6]} == {"p0", "p1", "p2"}
+    for lv, rv in zip(run.levels, ref.levels):
+        n = lv.concurrency
+        assert lv.waves == rv.waves == [list(range(i, min(i + n, len(PROMPTS)))) for i in range(0, len(PROMPTS), n)]
+        assert [r.id for r in lv.results] == [r.id for r in rv.results] == [p.id for p in PROMPTS]
+        assert all(r.ok for r in lv.results + rv.results)
+        assert [r.text for r in lv.results] == [r.text for r in rv.results]  # greedy: speculation is invisible
+        # the reference's plain rows are not in the endpoint's counters, nor the drafts in the reference's
+        assert lv.spec.generation_tokens == sum(r.completion_tokens for r in lv.results)
+        assert rv.spec.generation_tokens == sum(r.completion_tokens for r in rv.results)
+        assert lv.spec.draft_tokens == sum(r.server_info["drafted"] for r in lv.results) > 0
+        assert rv.spec.draft_tokens == 0 and lv.wall_s > 0 and rv.wall_s > 0
+    assert run.to_dict()["levels"][1]["waves"] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_counter_intervals_add_up():
+    from verispec.audit.endpoint.counters import SpecCounters
+    a = SpecCounters("verispec", 2, 6, 3, [2, 1], [2, 2, 2], 10, 5)
+    b = SpecCounters("verispec", 1, 3, 2, [1, 1, 0], [1, 1, 1], 4, 2)
+    s = a.plus(b)
+    assert (s.drafts, s.draft_tokens, s.accepted_tokens, s.generation_tokens, s.target_passes) == (3, 9, 5, 14, 7)
+    assert s.accepted_per_position == [3, 2, 0] and s.drafted_per_position == [3, 3, 3]
+    with pytest.raises(ValueError, match="cannot add"):
+        a.plus(SpecCounters("vllm", 1, 1, 1))
 
 
 def test_chat_and_errors_are_recorded(server):

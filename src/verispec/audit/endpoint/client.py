@@ -15,6 +15,10 @@ with its error; nothing here raises for one bad answer.
                                         extra_body={"verispec": {"speculate": False}}), prompts)
     rows = null.compare(ref.levels[0].results, run.levels[-1].results, 8).rows  # per prompt, vs the reference
 
+For speed, `audit_paired(cfg, ref_cfg, prompts)` times the endpoint and its reference side
+by side (alternating waves of requests, see run_paired), so that a speedup is a ratio of
+two measurements taken moments apart, not of two runs minutes apart.
+
 The comparison is on text: OpenAI responses carry no token ids. Nothing here knows the
 model; the offline audit's report is built from these records by the audit package.
 """
@@ -25,7 +29,7 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Iterable
 
 import httpx
@@ -84,6 +88,7 @@ class LevelRun:
     wall_s: float
     results: list[PromptResult]
     spec: SpecCounters | None  # counters over this level only (differences)
+    waves: list[list[int]] | None = None  # run_paired: the prompts (indices) of each wave, timed together
 
     @property
     def completion_tokens(self) -> int:
@@ -98,7 +103,7 @@ class LevelRun:
                 "tokens_per_s": self.completion_tokens / self.wall_s if self.wall_s else None,
                 "latency_p50_s": statistics.median(lat) if lat else None,
                 "latency_p95_s": _quantile(lat, 0.95), "ttft_p50_s": statistics.median(ttft) if ttft else None,
-                "spec": self.spec.to_dict() if self.spec else None}
+                "spec": self.spec.to_dict() if self.spec else None, "waves": self.waves}
 
 
 @dataclass
@@ -264,9 +269,7 @@ async def run_endpoint(cfg: EndpointConfig, prompts: Iterable, on_result=None) -
     prompts = list(prompts)
     client = EndpointClient(cfg)
     try:
-        model = await client.model()
-        first = await client.metrics()
-        kind = server_kind(first) if first is not None else "unknown"
+        model, kind = await _open(client)
         levels = []
         for conc in cfg.concurrency:
             before = _counters(await client.metrics())
@@ -280,21 +283,102 @@ async def run_endpoint(cfg: EndpointConfig, prompts: Iterable, on_result=None) -
                     if on_result is not None:
                         on_result(level, results[i])
 
-            sampler = None
-            if before is not None and before.from_gauges:  # SGLang: gauges move with each batch; sample them
-                sampler = asyncio.create_task(_sample_gauges(client, before.gauge_samples))
+            sampler = _start_gauges(client, before)
             t0 = time.perf_counter()
             await asyncio.gather(*(worker(conc, todo, results) for _ in range(min(conc, len(prompts)) or 1)))
             wall = time.perf_counter() - t0
-            if sampler is not None:
-                sampler.cancel()
-            after = await _settled_counters(client)
-            if after is not None and before is not None:
-                after.gauge_samples = before.gauge_samples
-            levels.append(LevelRun(conc, wall, results, after.delta(before) if after else None))
+            levels.append(LevelRun(conc, wall, results, await _level_counters(client, before, sampler, results)))
         return EndpointRun(cfg.base, model, kind, client.logprobs, levels)
     finally:
         await client.aclose()
+
+
+async def run_paired(cfg: EndpointConfig, ref_cfg: EndpointConfig,
+                     prompts: Iterable) -> tuple[EndpointRun, EndpointRun]:
+    """The endpoint and its reference timed side by side, for speedups that drift cancels in.
+
+    At each level c (cfg.concurrency; the reference runs at the same levels) the prompts go
+    in waves of c consecutive prompts, each wave's requests started together: the wave to
+    the endpoint, then the same wave to the reference, the order alternating wave by wave.
+    Whatever slows the machine for a while (other jobs, a throttled core) then slows both
+    halves of a pair alike and cancels in their ratio, and an order effect (the second
+    request of a pair finding caches warm) cancels over the waves. Never both at once: a
+    wave has the machine to itself. A level's wall time is the sum of its waves', per side.
+
+    A server shared by both (a verispec endpoint with speculation switched off per
+    request) has its /metrics read around each of the endpoint's own waves, so that the
+    reference's requests are not in the endpoint's counters; separate servers are read
+    around the level. Returns (endpoint run, reference run)."""
+    prompts = list(prompts)
+    sides = [EndpointClient(cfg), EndpointClient(replace(ref_cfg, concurrency=cfg.concurrency))]
+    shared = cfg.base == ref_cfg.base  # counters then read around each wave, else around the level
+    try:
+        opened = [await _open(c) for c in sides]
+        levels: list[list[LevelRun]] = [[], []]
+        for conc in cfg.concurrency:
+            results = [[None] * len(prompts), [None] * len(prompts)]
+            walls = [0.0, 0.0]
+            total: list[SpecCounters | None] = [None, None]
+            before = [None if shared else _counters(await c.metrics()) for c in sides]
+            samplers = [None if shared else _start_gauges(c, b) for c, b in zip(sides, before)]
+            waves = [range(i, min(i + conc, len(prompts))) for i in range(0, len(prompts), conc)]
+            for w, wave in enumerate(waves):
+                for s in ((0, 1) if w % 2 == 0 else (1, 0)):
+                    client, (model, _) = sides[s], opened[s]
+                    b = _counters(await client.metrics()) if shared else None
+                    t0 = time.perf_counter()
+                    got = await asyncio.gather(*(client.complete(model, prompts[i].id, prompts[i].slice,
+                                                                 prompts[i].prompt) for i in wave))
+                    walls[s] += time.perf_counter() - t0
+                    for i, r in zip(wave, got):
+                        results[s][i] = r
+                    if shared:
+                        total[s] = _plus(total[s], await _level_counters(client, b, None, got))
+            for s in (0, 1):
+                spec = total[s] if shared else await _level_counters(sides[s], before[s], samplers[s],
+                                                                         results[s])
+                levels[s].append(LevelRun(conc, walls[s], results[s], spec, [list(w) for w in waves]))
+        return tuple(EndpointRun(c.cfg.base, model, kind, c.logprobs, lv)
+                     for c, (model, kind), lv in zip(sides, opened, levels))
+    finally:
+        for c in sides:
+            await c.aclose()
+
+
+async def _open(client: "EndpointClient") -> tuple[str, str]:
+    """(model id, server kind by its /metrics) of a client's server."""
+    model = await client.model()
+    first = await client.metrics()
+    return model, (server_kind(first) if first is not None else "unknown")
+
+
+def _start_gauges(client: "EndpointClient", before: SpecCounters | None):
+    """SGLang: gauges move with each batch, so sample them while a level runs (else None)."""
+    if before is not None and before.from_gauges:
+        return asyncio.create_task(_sample_gauges(client, before.gauge_samples))
+    return None
+
+
+async def _level_counters(client: "EndpointClient", before: SpecCounters | None, sampler,
+                         results: list[PromptResult] | None = None) -> SpecCounters | None:
+    """The counters' differences since `before`, once settled (None without counters);
+    `results`: the answers of the interval, whose tokens the counters must have counted."""
+    if sampler is not None:
+        sampler.cancel()
+    expect = None
+    if results is not None and all(r.ok and r.completion_tokens is not None for r in results):
+        expect = sum(r.completion_tokens for r in results)
+    after = await _settled_counters(client, before, expect)
+    if after is not None and before is not None:
+        after.gauge_samples = before.gauge_samples
+    return after.delta(before) if after else None
+
+
+def _plus(a: SpecCounters | None, b: SpecCounters | None) -> SpecCounters | None:
+    """The sum of two intervals' counter differences (None + x = x)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return a.plus(b)
 
 
 GAUGE_SAMPLE_S = 0.5
@@ -311,10 +395,19 @@ async def _sample_gauges(client: "EndpointClient", out: list) -> None:
         await asyncio.sleep(GAUGE_SAMPLE_S)
 
 
-async def _settled_counters(client: "EndpointClient", tries: int = 10, wait_s: float = 0.2) -> SpecCounters | None:
+async def _settled_counters(client: "EndpointClient", before: SpecCounters | None = None,
+                            expect_tokens: int | None = None, tries: int = 10,
+                            wait_s: float = 0.2) -> SpecCounters | None:
     """The counters once two scrapes in a row agree: llama.cpp adds a request's counts when
-    its slot is released, which can come just after the last byte of its answer."""
+    its slot is released, which can come just after the last byte of its answer. At once
+    when the generated-token counter has moved by `expect_tokens` since `before` (the
+    answers' own usage): llama.cpp, vLLM and verispec add the speculative counts with
+    (or before) the generated tokens, so all of them are in."""
     last = _counters(await client.metrics())
+    if (last is not None and before is not None and expect_tokens is not None
+            and last.generation_tokens is not None and before.generation_tokens is not None
+            and last.generation_tokens - before.generation_tokens == expect_tokens):
+        return last
     for _ in range(tries):
         if last is None:
             return None
@@ -338,6 +431,11 @@ def _counters(page: str | None) -> SpecCounters | None:
 def audit_endpoint(cfg: EndpointConfig, prompts: Iterable, on_result=None) -> EndpointRun:
     """Synchronous wrapper of run_endpoint."""
     return asyncio.run(run_endpoint(cfg, prompts, on_result))
+
+
+def audit_paired(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: Iterable) -> tuple[EndpointRun, EndpointRun]:
+    """Synchronous wrapper of run_paired: (endpoint run, reference run)."""
+    return asyncio.run(run_paired(cfg, ref_cfg, prompts))
 
 
 def first_divergence(a: str, b: str) -> int | None:

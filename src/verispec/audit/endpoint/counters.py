@@ -129,6 +129,25 @@ class SpecCounters:
                             d(self.target_passes, before.target_passes),
                             self.accept_length_gauge, self.accept_rate_gauge, list(self.gauge_samples))
 
+    def plus(self, other: "SpecCounters") -> "SpecCounters":
+        """Two intervals' differences added (the waves of one level); gauges: the later's."""
+        if other.source != self.source:
+            raise ValueError(f"cannot add {other.source} counters to {self.source} ones")
+
+        def a(x, y):
+            return None if x is None and y is None else (x or 0.0) + (y or 0.0)
+
+        def al(x, y):
+            return [(x[i] if i < len(x) else 0.0) + (y[i] if i < len(y) else 0.0) for i in range(max(len(x), len(y)))]
+        return SpecCounters(self.source, a(self.drafts, other.drafts), a(self.draft_tokens, other.draft_tokens),
+                            a(self.accepted_tokens, other.accepted_tokens),
+                            al(self.accepted_per_position, other.accepted_per_position),
+                            al(self.drafted_per_position, other.drafted_per_position),
+                            a(self.generation_tokens, other.generation_tokens),
+                            a(self.target_passes, other.target_passes),
+                            other.accept_length_gauge, other.accept_rate_gauge,
+                            self.gauge_samples + other.gauge_samples)
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(acceptance_rate=self.acceptance_rate, mean_acceptance_length=self.mean_acceptance_length,

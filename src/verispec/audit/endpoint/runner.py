@@ -12,7 +12,8 @@ What can be checked from outside, with the client in client.py:
 * corruption signatures of the text against the base's (words stand in for tokens;
   perplexity from the returned logprobs when there are any);
 * per-slice speed and acceptance (each answer's speculative fields, the level's /metrics
-  counters for the pooled figures: counters.py) and throughput per load level;
+  counters for the pooled figures: counters.py) and throughput per load level, the
+  endpoint and the reference timed side by side (client.run_paired);
 * the server's kind, version and settings as it reports them (kinds.py), in the record;
 * with an earlier report, the re-test gate (compare.py).
 
@@ -34,7 +35,7 @@ from dataclasses import replace
 
 import httpx
 
-from .client import EndpointConfig, EndpointRun, PromptResult, audit_endpoint
+from .client import EndpointConfig, EndpointRun, PromptResult, audit_endpoint, audit_paired
 from .compare import CompareError, comparison_check, compare_reports, load_report
 from .counters import SpecCounters
 from .kinds import ServerInfo, probe
@@ -137,6 +138,14 @@ def _run(cfg: EndpointConfig, prompts: list, what: str) -> EndpointRun:
         raise EndpointError(f"{what} at {cfg.base}: {type(e).__name__}: {e}") from None
 
 
+def _run_paired(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: list) -> tuple[EndpointRun, EndpointRun]:
+    try:
+        return audit_paired(cfg, ref_cfg, prompts)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
+        raise EndpointError(f"the endpoint and its reference at {cfg.base} / {ref_cfg.base}: "
+                            f"{type(e).__name__}: {e}") from None
+
+
 def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = None, model: str | None = None,
                        api_key: str | None = None, chat: bool = True, max_tokens: int = 64,
                        concurrency: tuple[int, ...] = (1, 8), suite_spec: str = "default",
@@ -145,10 +154,12 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
     """Run the endpoint, its reference and the reference's null runs over the prompts; the
     report as a dict in the offline audit's format (audit.report.write_reports renders it).
 
-    Runs, in order: the base (reference at concurrency 1), the endpoint at every level,
-    the reference again at every level (the null; also the plain speed). Without a
-    reference, the endpoint itself is base and null (at concurrency 1 only). null_repeats:
-    how many times the null runs (pooled). sampled_tokens > 0: the distribution check at
+    Runs, in order: the base (reference at concurrency 1), then the endpoint and the
+    reference at every level side by side (client.run_paired: alternating waves, so each
+    prompt's speedup is a ratio of two answers timed moments apart; the reference's half
+    is the null and the plain speed), then the reference alone for further null repeats.
+    Without a reference, the endpoint itself is base and null (at concurrency 1 only).
+    null_repeats: how many times the null runs (pooled). sampled_tokens > 0: the distribution check at
     temperature 1 over about that many tokens (sampled.py). previous: an earlier endpoint
     audit's report, compared with this one as a gate (compare.py)."""
     if null_repeats < 1:
@@ -172,8 +183,12 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
                           "speculation cannot be separated from batching numerics)")
     base_cfg = replace(ref_cfg or cfg, concurrency=(1,))
     base = _run(base_cfg, prompts, "the base run (reference at concurrency 1)")
-    run = _run(cfg, prompts, "the endpoint")
-    null_runs = [_run(ref_cfg if ref_cfg else base_cfg, prompts, "the null run") for _ in range(null_repeats)]
+    if ref_cfg:  # the endpoint and the first null timed side by side: the speedups' pairs
+        run, first_null = _run_paired(cfg, ref_cfg, prompts)
+        null_runs = [first_null] + [_run(ref_cfg, prompts, "the null run") for _ in range(null_repeats - 1)]
+    else:
+        run = _run(cfg, prompts, "the endpoint")
+        null_runs = [_run(base_cfg, prompts, "the null run") for _ in range(null_repeats)]
     null_run = null_runs[0]
     reference = null_run if ref_cfg else None
     base_results = base.levels[0].results
