@@ -76,15 +76,36 @@ def pit_top_n(chosen, top: list[tuple], rng: random.Random) -> tuple[float, bool
 MISSING_LOGPROBS_TOLERANCE = 0.01
 
 
+# sampled answers, at most, as a multiple of those that `tokens` needs at max_tokens each
+MAX_ANSWERS_FACTOR = 4
+
+
 def sampled_run(cfg: EndpointConfig, kind: str, prompts: list, tokens: int, concurrency: int) -> EndpointRun:
-    """Enough temperature-1 answers (prompts taken in turn, repeated) for about `tokens` tokens."""
+    """Temperature-1 answers (prompts taken in turn, repeated) until at least `tokens` tokens
+    were emitted. Answers that end at an end-of-text token are shorter than max_tokens, so
+    after the first round (tokens / max_tokens answers) more rounds ask for the shortfall at
+    the answers' mean length so far, up to MAX_ANSWERS_FACTOR times the first round's
+    count; a round with no answer at all ends it (the check then says what failed).
+    One level per round in the returned run."""
     per = max(1, cfg.max_tokens)
-    n = max(1, math.ceil(tokens / per))
-    rounds = [replace(p, id=f"{p.id}#{i // len(prompts)}") for i, p in
-              ((i, prompts[i % len(prompts)]) for i in range(n))]
+    first = max(1, math.ceil(tokens / per))
+    cap = MAX_ANSWERS_FACTOR * first
     scfg = replace(cfg, temperature=1.0, sampler=sampler_settings(kind), logprobs=True,
                    top_logprobs=TOP_LOGPROBS, concurrency=(concurrency,))
-    return audit_endpoint(scfg, rounds)
+    levels, asked, emitted, run = [], 0, 0, None
+    while not asked or (emitted < tokens and asked < cap):
+        mean = emitted / asked if asked and emitted else per
+        n = first if not asked else min(cap - asked, max(1, math.ceil((tokens - emitted) / mean)))
+        batch = [replace(p, id=f"{p.id}#{i // len(prompts)}") for i, p in
+                 ((i, prompts[i % len(prompts)]) for i in range(asked, asked + n))]
+        run = audit_endpoint(scfg, batch)
+        levels += run.levels
+        asked += n
+        got = [r for lv in run.levels for r in lv.results if r.ok]
+        if not got:
+            break
+        emitted += sum(r.completion_tokens if r.completion_tokens is not None else len(r.tokens or []) for r in got)
+    return EndpointRun(run.url, run.model, run.kind, run.logprobs, levels)
 
 
 def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, min_tokens: int = 200) -> dict:
