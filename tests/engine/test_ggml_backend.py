@@ -150,11 +150,61 @@ def test_layerskip_refused_naming_why(smol):
         smol.model.forward(torch.tensor([[1]]), cache, cache.alloc(), num_layers=4)
 
 
-def test_batch_invariant_mode_refused():
+@pytest.fixture(scope="module")
+def smol_invariant(smol):
     from verispec.models import load_model
-    from verispec.models.attention import NotBatchInvariantError
-    with pytest.raises(NotBatchInvariantError, match="--backend native"):
-        load_model(PRESET, backend="ggml", batch_invariant=True, progress=False)
+    return load_model(PRESET, backend="ggml", batch_invariant=True, progress=False)
+
+
+def test_batch_invariant_mode_reports_itself(smol, smol_invariant):
+    from verispec.audit.equivalence import TIE_MARGIN, tie_margin_for
+    m = smol_invariant.model
+    assert m.batch_invariant and not m.noisy_numerics and m.backend.endswith("/invariant")
+    assert smol.model.noisy_numerics and not smol.model.batch_invariant
+    assert m.fingerprint() == smol.model.fingerprint()  # the same weights
+    assert tie_margin_for(m) == {"value": TIE_MARGIN, "source": "fixed (fp32 backend)"}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batch_invariant_rows_equal_a_fresh_decode_bitwise(smol_invariant, threads):
+    """In batch-invariant mode every logit of a ragged batch after rollbacks, of one-token
+    passes past 512 cells, of rows decoded beside rows that leave, and of a churn of rows
+    starting, taking verify-like passes, rolling back and leaving, is bitwise a fresh
+    single-row one-pass decode; at 2 threads too (where llama.cpp splits one-token
+    attention across threads)."""
+    from verispec.models.noise import batching_noise, churn_difference, rollback_difference
+    m = smol_invariant.model
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert batching_noise(m, seeds=(0,)) == {"logit": 0.0, "margin": 0.0}
+        assert rollback_difference(m, seed=threads) == 0.0
+        assert churn_difference(m, steps=12, seed=threads) == 0.0
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_batch_invariant_cache_keeps_cells_ordered_and_compacts(smol_invariant):
+    """The ordered cache frees a rolled-back tail at the top of its cells and hands one below
+    the top to garbage; a compaction removes the garbage and keeps every row's logits."""
+    m = smol_invariant.model
+    V = m.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    cache = m.new_cache(2, 40)
+    a, b = cache.alloc(2)
+    m.forward(torch.randint(0, V, (2, 10), generator=g), cache, [a, b])  # cells: a 0-9, b 10-19
+    assert cache._head == 20 and cache.live_cells == 20
+    cache.truncate([b], [6])  # b's tail is the top: freed
+    assert cache._head == 16 and cache._garbage == 0
+    cache.truncate([a], [7])  # a's tail lies below b's cells: garbage
+    assert cache._head == 16 and cache._garbage == 3 and cache.live_cells == 13
+    nxt = torch.randint(0, V, (2, 3), generator=g)
+    before = m.forward(nxt, cache, [a, b])
+    cache.truncate([a, b], [7, 6])
+    cache.compact()
+    assert cache._garbage == 0 and cache._head == 13 and cache.compactions == 1
+    assert cache.lengths[[a, b]].tolist() == [7, 6]
+    assert torch.equal(m.forward(nxt, cache, [a, b]), before)
 
 
 def _prompts(tok, n):

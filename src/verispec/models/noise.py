@@ -103,3 +103,44 @@ def rollback_difference(model, lengths=(20, 35, 7, 50, 13), cuts=(10, 30, 3, 25,
     if cache.lengths[rows].tolist() != list(lengths):
         raise AssertionError(f"row lengths {cache.lengths[rows].tolist()} after the feed, not {list(lengths)}")
     return max(float((out[b, :rest[b]] - ref[b][cuts[b]:]).abs().max()) for b in range(B) if rest[b])
+
+
+def churn_difference(model, rows: int = 3, steps: int = 20, max_len: int = 150, seed: int = 0) -> float:
+    """The largest logit difference between a cache used the way continuous batching with
+    speculation uses it and a fresh single-row one-pass decode of each row's tokens. Each
+    step feeds every row in use one ragged pass (a new row its prompt of 1-40 tokens, the
+    others 1-8 tokens, as a verify pass), keeps a random part of each pass and rolls the
+    rest back; rows leave at random or near max_len, and new rows take their places, on
+    cache rows in any order. Every logit of every pass is compared. A batch-invariant
+    backend measures 0; a noisy one stays inside batching_noise()["logit"]."""
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(lo, hi):  # an int in [lo, hi]
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    cache = model.new_cache(rows, max_len)
+    kept: dict[int, list[int]] = {}  # row -> its committed tokens
+    worst = 0.0
+    for _ in range(steps):
+        while cache.rows_in_use < rows and (not kept or rand(0, 1)):
+            kept[cache.alloc()[0]] = []
+        active = sorted(kept)
+        feed = [torch.randint(0, V, (rand(1, 40) if not kept[r] else rand(1, 8),), generator=g).tolist()
+                for r in active]
+        x = torch.zeros(len(active), max(map(len, feed)), dtype=torch.long)  # [B,T]
+        for b, f in enumerate(feed):
+            x[b, :len(f)] = torch.tensor(f)
+        out = model.forward(x, cache, active, [len(f) for f in feed])  # [B,T,V]
+        for b, r in enumerate(active):
+            full = kept[r] + feed[b]
+            ref = _one_pass(model, full)[len(kept[r]):]
+            worst = max(worst, float((out[b, :len(feed[b])] - ref).abs().max()))
+            keep = len(feed[b]) if not kept[r] else rand(0, len(feed[b]))
+            kept[r] = full[:len(kept[r]) + keep]
+        cache.truncate(active, [len(kept[r]) for r in active])
+        for r in active:
+            if len(kept[r]) > max_len - 50 or rand(0, 5) == 0:
+                cache.free([r])
+                del kept[r]
+    return worst

@@ -45,15 +45,11 @@ def load_tokenizer(files, *, progress: bool = True):
 
 def load_ggml(spec: str, *, progress: bool = True, batch_invariant: bool = False):
     """A preset or .gguf path on the ggml backend -> models.LoadedModel (files: the GGUF,
-    hashed)."""
+    hashed). batch_invariant: llama.cpp without weight repacking and with ordered KV cells
+    (ordered.py): bitwise batch-invariant logits, at the speed cost benchmarks/RESULTS.md gives."""
     from .. import LoadedModel
-    from ..attention import NotBatchInvariantError
     from ..loading import resolve_gguf
 
-    if batch_invariant:
-        raise NotBatchInvariantError(
-            "the ggml backend is not batch-invariant (llama.cpp's kernels depend on how many "
-            "tokens share a decode); batch-invariant numerics need --backend native")
     files = resolve_gguf(spec, progress=progress)
-    model = GgmlModel(files.path, files.sha256)
+    model = GgmlModel(files.path, files.sha256, batch_invariant=batch_invariant)
     return LoadedModel(model=model, tokenizer=load_tokenizer(files, progress=progress), files=files)

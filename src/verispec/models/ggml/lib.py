@@ -33,6 +33,11 @@ INSTALL_HINT = ("pip install 'verispec[gguf]' (builds llama-cpp-python once, ~15
 _lock = threading.Lock()
 _ll = None
 _log_cb = None  # the C log callback must outlive every call into the library
+# llama.cpp's CPU backend reads GGML_CPU_TILED_MM once, at the first matrix multiplication of
+# the process (ggml-cpu/tiled/tiled.cpp), and keeps the answer: None until a decode has run,
+# then whether its tiled K-quant kernel was switched off for the whole process
+_tiled_off_at_first_decode: bool | None = None
+TILED_MM_ENV = "GGML_CPU_TILED_MM"
 
 
 class MissingGgufExtraError(UnsupportedModelError):
@@ -67,6 +72,26 @@ def _library_dir() -> Path | None:
         os.environ["LLAMA_CPP_LIB_PATH"] = str(cached)
         return cached
     return None
+
+
+def note_first_decode() -> None:
+    """Called before every llama_decode (cheap): from the first one on, the process's choice of
+    llama.cpp's tiled K-quant kernel is fixed."""
+    global _tiled_off_at_first_decode
+    if _tiled_off_at_first_decode is None:
+        _tiled_off_at_first_decode = os.environ.get(TILED_MM_ENV) == "0"
+
+
+def switch_off_tiled_matmul() -> bool:
+    """Switch llama.cpp's tiled K-quant matrix kernel off for this process, if it still can be:
+    -> whether it is off. The kernel (Q2_K..Q6_K and IQ weights that are not repacked, 8 or
+    more tokens per pass) sums in another order than the one-token kernel, so a row's logits
+    would depend on how many tokens share its pass. ggml reads the switch once, at the
+    process's first matrix multiplication, so it can be set only before the first decode."""
+    if _tiled_off_at_first_decode is None:
+        os.environ[TILED_MM_ENV] = "0"
+        return True
+    return _tiled_off_at_first_decode
 
 
 def bindings():

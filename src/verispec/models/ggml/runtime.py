@@ -8,12 +8,15 @@ weights. The cache keeps the same interface as models/cache.KVCache (alloc, free
 lengths, in_use, snapshot, restore): the engine, the drafters and the policy see no
 difference. Rollback is ``llama_memory_seq_rm`` from the row's committed length.
 
-Numerics: not batch-invariant. The CPU kernels a row goes through can depend on how many
-tokens share its decode: on Q4_K weights llama.cpp repacks the matrices and multiplies
-blocks of 4 tokens with one kernel and the remainder with another, so a token's logits
-move by a small amount with what shares its pass (SmolLM2's Q4_1 file has no such path:
-its rows are bitwise independent of the batch). tests/test_ggml_backend.py measures this
-noise against the backend's own single-row decoding; benchmarks/RESULTS.md reports it.
+Numerics, by default: not batch-invariant. The CPU kernels a row goes through can depend on
+how many tokens share its decode (on Q4_K weights llama.cpp repacks the matrices and
+multiplies blocks of 4 tokens with one kernel and the remainder with another; Q6_K weights
+take a tiled kernel from 8 tokens on), and attention sums over the unified KV buffer in
+cell order, which rows leaving and rollbacks reshuffle; a token's logits move by a small
+amount with what shares its pass. tests/engine/test_ggml_backend.py measures this noise
+against the backend's own single-row decoding; benchmarks/RESULTS.md reports it.
+GgmlModel(batch_invariant=True) turns every one of these off (ordered.py): its rows are
+bitwise a fresh single-row decode, whatever the batch.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 from ..cache import CacheFullError, RowPool
 from ..config import ModelConfig, UnsupportedModelError
-from .lib import LLAMA_CPP_PYTHON_VERSION, bindings
+from .lib import LLAMA_CPP_PYTHON_VERSION, bindings, note_first_decode
 
 
 class UnsupportedFeatureError(UnsupportedModelError):
@@ -50,6 +53,31 @@ MAX_DECODE_TOKENS = 2048  # tokens per llama_decode call (n_batch); longer feeds
 MAX_UBATCH_TOKENS = 63
 
 
+# weight types that llama.cpp's tiled K-quant kernel takes (ggml-cpu/tiled/tiled.cpp)
+_TILED_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+                "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"}
+
+
+def _require_untiled(path: Path) -> None:
+    """Batch-invariant numerics need llama.cpp's tiled K-quant kernel off (8 or more tokens per
+    pass take it, fewer take the one-token kernel); ggml fixes that switch at the process's
+    first decode. Refused where it is on and the file has weights it would take."""
+    from ..attention import NotBatchInvariantError
+    from .lib import TILED_MM_ENV, switch_off_tiled_matmul
+
+    if switch_off_tiled_matmul():
+        return
+    import gguf
+
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    if kinds & _TILED_TYPES:
+        raise NotBatchInvariantError(
+            f"{path.name} has {', '.join(sorted(kinds & _TILED_TYPES))} weights, which llama.cpp's tiled "
+            f"kernel takes in passes of 8 or more tokens; ggml fixed {TILED_MM_ENV} at this process's "
+            f"first decode, before this batch-invariant model: start with {TILED_MM_ENV}=0 in the "
+            "environment, or load the batch-invariant model first")
+
+
 def _int_from_meta(meta: dict, key: str, default=None):
     v = meta.get(key)
     return default if v is None else int(float(v))
@@ -60,17 +88,25 @@ class GgmlModel:
 
     runtime = "ggml"
     partial_layers = False  # forward(num_layers < L) is impossible: no layer-skip
-    # logits move with pass width and KV cell order (see the module docstring): the audit takes
-    # its near-tie margin from this backend's measured noise (audit/equivalence.tie_margin_for)
+    # by default logits move with pass width and KV cell order (see the module docstring): the
+    # audit then takes its near-tie margin from this backend's measured noise
+    # (audit/equivalence.tie_margin_for); set per model in __init__
     noisy_numerics = True
 
-    def __init__(self, path: str | Path, sha256: str):
+    def __init__(self, path: str | Path, sha256: str, *, batch_invariant: bool = False):
         ll = bindings()
         self._ll = ll
         self.path = Path(path)
         self.sha256 = sha256
+        # batch_invariant: a row's logits bitwise independent of the batch, the pass widths and
+        # rollbacks (ordered.py says how); the audit then keeps the fp32 tie margin
+        self.batch_invariant = batch_invariant
+        self.noisy_numerics = not batch_invariant
+        if batch_invariant:
+            _require_untiled(self.path)
         params = ll.llama_model_default_params()
         params.n_gpu_layers = 0
+        params.use_extra_bufts = not batch_invariant  # no repacked weights (llama.cpp's --no-repack)
         model = ll.llama_model_load_from_file(str(self.path).encode(), params)
         if not model:
             raise UnsupportedModelError(f"llama.cpp could not load {self.path} (not a GGUF model it "
@@ -113,13 +149,16 @@ class GgmlModel:
     @property
     def backend(self) -> str:
         """The kernels: llama.cpp's CPU backend through llama-cpp-python (pinned version)."""
-        return f"ggml-cpu/llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}"
+        return f"ggml-cpu/llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}" + ("/invariant" if self.batch_invariant else "")
 
     def fingerprint(self) -> str:
         """The GGUF file's SHA-256 (the weights as shipped), marked as run by ggml."""
         return f"ggml:{self.sha256}"
 
     def new_cache(self, max_rows: int, max_len: int) -> "GgmlCache":
+        if self.batch_invariant:
+            from .ordered import GgmlOrderedCache
+            return GgmlOrderedCache(self, max_rows, max_len)
         return GgmlCache(self, max_rows, max_len)
 
     @torch.inference_mode()
@@ -158,8 +197,7 @@ class GgmlModel:
         want = (t_idx == np.asarray(n_l)[b_idx] - 1) if last_only else np.ones(len(b_idx), bool)
         out = torch.zeros((B, V) if last_only else (B, T, V), dtype=torch.float32)
         cache._sync_threads()
-        for lo in range(0, len(b_idx), cache.n_batch):
-            hi = min(lo + cache.n_batch, len(b_idx))
+        for lo, hi in cache._spans(len(b_idx)):
             n_out = cache._decode(tok[lo:hi], pos[lo:hi], seq[lo:hi], want[lo:hi])
             if n_out:
                 ptr = self._ll.llama_get_logits(cache.ctx)
@@ -193,12 +231,7 @@ class GgmlCache(RowPool):
         self.held = torch.zeros(max_rows, dtype=torch.long)  # [R] positions llama.cpp holds per row
         self._ll, self.model = ll, model
         p = ll.llama_context_default_params()
-        p.n_ctx = max_rows * max_len  # one unified buffer: rows share its cells
-        p.n_batch = min(MAX_DECODE_TOKENS, p.n_ctx)
-        p.n_ubatch = min(MAX_UBATCH_TOKENS, p.n_batch)
-        p.n_seq_max = max_rows
-        p.kv_unified = True  # one graph for a ragged batch (split streams need equal rows)
-        p.no_perf = True
+        self._context_params(p, max_rows, max_len)
         self._threads = torch.get_num_threads()
         p.n_threads = p.n_threads_batch = self._threads
         ctx = ll.llama_init_from_model(model._model, p)
@@ -227,6 +260,19 @@ class GgmlCache(RowPool):
         self._batch.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ll.llama_seq_id)))
         self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
 
+    def _context_params(self, p, max_rows: int, max_len: int) -> None:
+        """llama_context_params for this cache (GgmlOrderedCache changes them)."""
+        p.n_ctx = max_rows * max_len  # one unified buffer: rows share its cells
+        p.n_batch = min(MAX_DECODE_TOKENS, p.n_ctx)
+        p.n_ubatch = min(MAX_UBATCH_TOKENS, p.n_batch)
+        p.n_seq_max = max_rows
+        p.kv_unified = True  # one graph for a ragged batch (split streams need equal rows)
+        p.no_perf = True
+
+    def _spans(self, n: int) -> list[tuple[int, int]]:
+        """[lo, hi) of the flat feed per llama_decode call."""
+        return [(lo, min(lo + self.n_batch, n)) for lo in range(0, n, self.n_batch)]
+
     def close(self) -> None:
         """Free the llama.cpp context now (it is freed with the object otherwise)."""
         self._finalizer()
@@ -243,6 +289,7 @@ class GgmlCache(RowPool):
     def _decode(self, tok, pos, seq, want) -> int:
         """One llama_decode over N <= n_batch tokens; -> number of logit rows it produced."""
         N = len(tok)
+        note_first_decode()
         self._tok[:N], self._pos[:N], self._seq[:N] = tok, pos, seq
         self._logits[:N] = want
         self._batch.n_tokens = N
