@@ -59,17 +59,45 @@ class PromptCache:
             self._tokens -= len(old)
 
 
+PAD_SLACK = 1.25  # a prefill pass computes at most this many positions per real prompt token
+
+
+def length_groups(lens: list[int], slack: float = PAD_SLACK) -> list[list[int]]:
+    """Indices of `lens` grouped into passes padded to their longest member, shortest first,
+    each computing at most `slack` times its real tokens (at least one index per group).
+
+    One padded pass over ragged prompts computes every row at the longest prompt's length:
+    16 chat prompts of 37-275 tokens cost 3.3x their tokens that way, measured 8.4 s where
+    one pass per similar-length group takes 2.6 s (SmolLM2, 2 cores). Grouping keeps passes
+    batched (and ragged: rows of different lengths still share a pass) without that waste."""
+    if slack < 1:
+        raise ValueError("slack must be >= 1")
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lens)), key=lambda j: lens[j]):
+        g = groups[-1] if groups else None
+        if g is not None and (len(g) + 1) * lens[i] <= slack * (real + lens[i]):
+            g.append(i)
+            real += lens[i]
+        else:
+            groups.append([i])
+            real = lens[i]
+    return groups
+
+
 def prefill(model, cache, rows, seqs, prompt_cache: PromptCache | None = None) -> None:
-    """Fill cache rows (empty) with seqs[b] each, in one batched forward; rows whose
-    sequence prompt_cache holds are restored from it instead, and the rest saved to it."""
+    """Fill cache rows (empty) with seqs[b] each, in batched forwards over rows of similar
+    length (length_groups); rows whose sequence prompt_cache holds are restored from it
+    instead, and the rest saved to it."""
     pc = prompt_cache
     todo = [b for b, s in enumerate(seqs) if pc is None or not pc.restore(cache, rows[b], s)]
-    lens = [len(seqs[b]) for b in todo]
-    if max(lens, default=0) == 0:
-        return
-    x = torch.zeros(len(todo), max(lens), dtype=torch.long)  # [B,T]
-    for i, b in enumerate(todo):
-        x[i, :lens[i]] = torch.tensor(seqs[b])
-    model.forward(x, cache, [rows[b] for b in todo], lens, last_only=True)
+    fill = [b for b in todo if len(seqs[b])]
+    for group in length_groups([len(seqs[b]) for b in fill]):
+        part = [fill[i] for i in group]
+        lens = [len(seqs[b]) for b in part]
+        x = torch.zeros(len(part), max(lens), dtype=torch.long)  # [B,T]
+        for i, b in enumerate(part):
+            x[i, :lens[i]] = torch.tensor(seqs[b])
+        model.forward(x, cache, [rows[b] for b in part], lens, last_only=True)
     for b in todo if pc is not None else ():
         pc.save(cache, rows[b], seqs[b])
