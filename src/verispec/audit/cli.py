@@ -105,6 +105,9 @@ def add_audit_parser(sub) -> None:
                    help="auto (default): the chat template when the tokenizer has one, else raw text")
     a.add_argument("--threads", type=_threads, default="auto",
                    help="torch CPU threads, or auto (default): 1 or all cores, whichever decodes faster now")
+    a.add_argument("--measure-costs", action="store_true",
+                   help="time the adaptive policy's cost model afresh instead of reading the machine's "
+                        "cost cache (what generate and serve read; the audit writes it when it measures)")
     a.add_argument("--no-progress", action="store_true", help="no progress bar: one line per finished check")
     a.add_argument("--fail-fast", action="store_true",
                    help="stop after the first failed check (the verdict is then FAIL; the report lists "
@@ -129,7 +132,7 @@ def config_from_args(args):
                        seed=args.seed, temperatures=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        min_p=args.min_p, min_verified_drafts=args.min_verified_drafts,
                        prompt_format=args.prompt_format, inject_fault=args.inject_fault,
-                       fail_fast=args.fail_fast, only=args.only)
+                       fail_fast=args.fail_fast, only=args.only, cost_cache=not args.measure_costs)
 
 
 def cmd_audit(args) -> int:

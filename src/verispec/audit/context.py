@@ -4,6 +4,7 @@ the target, a drafter factory, the encoded prompts and the greedy runs they shar
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -11,7 +12,8 @@ from ..engine import Engine, EngineConfig, GenerationParams, Request
 from ..engine.faults import inject
 from ..engine.faults import parse as parse_fault
 from ..policy import FixedK
-from ..policy.adaptive import AdaptivePolicy, measure_costs
+from ..policy.adaptive import AdaptivePolicy
+from ..policy.costs import CostCache, measure_costs
 from ..sampling import SamplingParams
 from ..verify import RULES
 from .suite import SuitePrompt, slices
@@ -45,10 +47,13 @@ class AuditSizes:
     # threshold min(1, c p/q) at c = 1/mass. 0 tokens: no probe.
     probe_tokens: int = 512
     probe_masses: tuple[float, ...] = (0.8,)
+    # tokens per probe request: short requests fill a wide batch, where the probe's three
+    # passes per step (two one-token draft passes, one verify) cost least per token
+    probe_max_new: int = 32
 
     def __post_init__(self):
-        if self.max_new_tokens < 2 or self.distribution_max_new < 2:
-            raise ValueError("max_new_tokens and distribution_max_new must be >= 2")
+        if min(self.max_new_tokens, self.distribution_max_new, self.probe_max_new) < 2:
+            raise ValueError("max_new_tokens, distribution_max_new and probe_max_new must be >= 2")
         if min(self.distribution_tokens, self.short_context, self.long_context,
                self.load_rounds, self.load_steps) < 1:
             raise ValueError("audit sizes must be positive")
@@ -57,17 +62,17 @@ class AuditSizes:
 
     @classmethod
     def quick(cls) -> "AuditSizes":
-        return cls("quick", prompts_per_slice=2, max_new_tokens=40, distribution_tokens=2048,
-                   distribution_max_new=128, seeded_prompts=8, seeded_max_new=24, short_context=100,
+        return cls("quick", prompts_per_slice=2, max_new_tokens=32, distribution_tokens=2048,
+                   distribution_max_new=64, seeded_prompts=8, seeded_max_new=24, short_context=100,
                    long_context=1000, long_max_batch=4, load_rounds=2, load_steps=3,
-                   probe_tokens=512, probe_masses=(0.8,))
+                   probe_tokens=512, probe_masses=(0.8,), probe_max_new=32)
 
     @classmethod
     def full(cls) -> "AuditSizes":
         return cls("full", prompts_per_slice=None, max_new_tokens=48, distribution_tokens=6144,
                    distribution_max_new=96, seeded_prompts=None, seeded_max_new=48, short_context=100,
                    long_context=1000, long_max_batch=16, load_rounds=2, load_steps=4,
-                   probe_tokens=4096, probe_masses=(0.8, 0.9))
+                   probe_tokens=4096, probe_masses=(0.8, 0.9), probe_max_new=48)
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,9 @@ class AuditConfig:
     inject_fault: str | None = None  # test-only: a name from engine/faults.py
     fail_fast: bool = False  # stop after the first failed check (the record lists those not run)
     only: tuple[str, ...] = ()  # run only these checks (and lossy-rule, record); () = all
+    # the adaptive policy's cost model: read from (and, when measured, written to) the
+    # machine's cost cache, as `generate` and `serve` do; False measures it afresh
+    cost_cache: bool = False
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -178,7 +186,9 @@ class AuditContext:
     chat: bool
     stops: tuple[int, ...]
     progress: Any  # progress.Progress
-    costs: dict = field(default_factory=dict)  # batch size -> measured CostModel (adaptive policy)
+    # the adaptive policy's cost model, one for the whole audit, as a server measures one for
+    # its largest batch and serves every load with it: {"model", "max_batch", "source"}
+    costs: dict = field(default_factory=dict)
 
     def fault(self):
         """The system under audit runs inside this; references and teacher forcing do not."""
@@ -193,13 +203,33 @@ class AuditContext:
         if policy is None:
             policy = FixedK(k if drafter is not None else 0)
             if drafter is not None and self.config.policy == "adaptive":
-                if batch not in self.costs:  # timed once per batch size
-                    self.costs[batch] = measure_costs(self.model, drafter, batch, k)
-                policy = AdaptivePolicy(self.costs[batch], max_k=k)
+                policy = AdaptivePolicy(self.cost_model(batch, max_len), max_k=k)
         if wrap is not None:
             policy = wrap(policy)
         return Engine(self.model, drafter, policy,
                       EngineConfig(max_batch=batch, max_len=max_len, rule=rule or self.config.rule))
+
+    def cost_model(self, batch: int, max_len: int):
+        """The cost model every adaptive engine of the audit plans with: timed once, at the
+        largest audited batch size (the grid covers every smaller one), like a server's for
+        its max batch; from the machine's cost cache when the config says so."""
+        B = max(max(self.config.batch_sizes), batch)
+        if self.costs.get("max_batch", 0) < B:
+            k = self.config.k
+            drafter = self.drafter_factory(B, max_len + k + 2)
+            # an audit with an injected fault neither reads nor writes the machine's cache
+            use_cache = self.config.cost_cache and not self.config.inject_fault
+            entry = CostCache.default().entry(self.model, drafter, B, k) if use_cache else None
+            model = entry.load() if entry is not None else None
+            source = f"read from the cost cache ({entry.path})" if model is not None else "measured by this audit"
+            if model is None:
+                t0 = time.perf_counter()
+                model = measure_costs(self.model, drafter, B, k)
+                source += f" in {time.perf_counter() - t0:.1f} s"
+                if entry is not None and entry.save(model, "measured"):
+                    source += f", written to the cost cache ({entry.path})"
+            self.costs = {"model": model, "max_batch": B, "source": source}
+        return self.costs["model"]
 
     def greedy_params(self) -> GenerationParams:
         return GenerationParams(max_new_tokens=self.config.sizes.max_new_tokens, stop_token_ids=self.stops)

@@ -174,8 +174,9 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
         if part:
             sample_s += _sample(ctx, part, min(batch, len(part)), max_len, policy,
                                 f"T={temps}, {label}, b={min(batch, len(part))}")
-    probe = _probe_requests(ctx, cfg.seed * 1_000_003 + n_req, max_new)
-    probe_s = sum(_run_probe(ctx, m, rs, min(batch, len(rs)), max_len) for m, rs in probe)
+    probe = _probe_requests(ctx, cfg.seed * 1_000_003 + n_req, sizes.probe_max_new)
+    probe_len = max(map(len, ctx.prompt_ids)) + sizes.probe_max_new
+    probe_s = sum(_run_probe(ctx, m, rs, min(batch, len(rs)), probe_len) for m, rs in probe)
     # teacher-force the target (outside any fault) for its exact p at every emitted position
     g = torch.Generator().manual_seed(cfg.seed)
     oracle = oracle_for(ctx.drafter_factory(1, 8), ctx.model)  # the drafter's q, recomputed

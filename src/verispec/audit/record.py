@@ -56,6 +56,9 @@ def build_record(ctx: AuditContext, target_files, draft_files, started: str) -> 
                    "backend": getattr(ctx.model, "runtime", "native"), "kernels": getattr(ctx.model, "backend", None),
                    "batch_sizes": list(cfg.greedy_batch_sizes),
                    "max_len_greedy": greedy_len,
+                   # the adaptive policy's cost model: one, timed at the largest batch size
+                   "cost_model": ({"max_batch": ctx.costs["max_batch"], "source": ctx.costs["source"]}
+                                  if ctx.costs else None),
                    "dtype": "float32" if getattr(ctx.model, "runtime", "native") == "native" else "GGUF as shipped"},
         "seed": cfg.seed,
         "temperature": cfg.temperature,
