@@ -76,6 +76,7 @@ class PromptResult:
     token_ids: list[int | None] | None = None  # the emitted tokens' ids where the server gives them
     top: list[list[tuple]] | None = None  # per token: [(id or token text, logprob), ...] as returned
     server_info: dict | None = None  # the response's speculative fields (counters.response_spec), if any
+    scored_by: list[str | None] | None = None  # per token: whose logprobs are in `top` (rescore.py), if known
 
     @property
     def ok(self) -> bool:

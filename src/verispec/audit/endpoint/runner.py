@@ -38,6 +38,7 @@ import httpx
 from .client import EndpointConfig, EndpointRun, PromptResult, audit_endpoint, audit_paired
 from .compare import CompareError, comparison_check, compare_reports, load_report
 from .counters import SpecCounters
+from . import rescore
 from .kinds import ServerInfo, probe
 from .null import ALPHA as NULL_ALPHA
 from .null import Comparison, compare, verdict
@@ -87,6 +88,10 @@ def add_endpoint_arguments(a) -> None:
                    help="send raw prompts to /v1/completions instead of chat messages")
     a.add_argument("--sampled-tokens", type=_int_at_least(0), default=2048,
                    help="tokens sampled at temperature 1 for the distribution check (0: skip; default 2048)")
+    a.add_argument("--score-with", choices=("auto", "endpoint", "reference"), default="auto",
+                   help="who scores the temperature-1 tokens: auto (the endpoint's own logprobs, and the "
+                        "reference's for tokens sent without any: llama.cpp endpoint and reference), endpoint "
+                        "(its own only), reference (every token by the reference)")
     a.add_argument("--compare-to", default=None, metavar="OLD/report.json",
                    help="compare with an earlier endpoint audit: changed re-test triggers, moved acceptance and "
                         "speedup; exit 1 when equivalence got worse or a speedup fell beyond its noise")
@@ -112,7 +117,7 @@ def cmd_endpoint_audit(args) -> int:
                                     chat=not args.endpoint_raw, max_tokens=args.endpoint_max_tokens,
                                     concurrency=args.concurrency, suite_spec=args.suite, suite_size=len(suite),
                                     null_repeats=args.null_repeats, sampled_tokens=args.sampled_tokens,
-                                    previous=previous)
+                                    previous=previous, score_with=args.score_with)
     except EndpointError as e:
         print(f"verispec audit --endpoint: cannot audit: {e}", file=sys.stderr)
         return 2
@@ -150,7 +155,7 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
                        api_key: str | None = None, chat: bool = True, max_tokens: int = 64,
                        concurrency: tuple[int, ...] = (1, 8), suite_spec: str = "default",
                        suite_size: int | None = None, alpha: float = NULL_ALPHA, null_repeats: int = 1,
-                       sampled_tokens: int = 0, previous: dict | None = None) -> dict:
+                       sampled_tokens: int = 0, previous: dict | None = None, score_with: str = "auto") -> dict:
     """Run the endpoint, its reference and the reference's null runs over the prompts; the
     report as a dict in the offline audit's format (audit.report.write_reports renders it).
 
@@ -160,8 +165,12 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
     is the null and the plain speed), then the reference alone for further null repeats.
     Without a reference, the endpoint itself is base and null (at concurrency 1 only).
     null_repeats: how many times the null runs (pooled). sampled_tokens > 0: the distribution check at
-    temperature 1 over about that many tokens (sampled.py). previous: an earlier endpoint
-    audit's report, compared with this one as a gate (compare.py)."""
+    temperature 1 over at least that many tokens (sampled.py), scored as score_with says:
+    "auto" by the endpoint's own logprobs and, for the tokens it sends none for, by the
+    reference (rescore.py: a llama.cpp endpoint and reference; else the endpoint's own
+    only), "endpoint" its own only, "reference" every token by the reference (an
+    EndpointError where that cannot run). previous: an earlier endpoint audit's report,
+    compared with this one as a gate (compare.py)."""
     if null_repeats < 1:
         raise ValueError(f"null_repeats must be >= 1, got {null_repeats}")
     t0 = time.perf_counter()
@@ -207,11 +216,19 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
                              {"rule": rule, "lossy": lossy}))
     checks.append(_equivalence(tests, nulls, base, reference_kind, ref_cfg is not None, alpha))
     if sampled_tokens:
+        why_not = rescore.supported(info.kind, ref_info.kind if ref_info else None)
+        if score_with == "reference" and why_not:
+            raise EndpointError(f"--score-with reference: {why_not}")
         try:
-            srun = sampled_run(cfg, info.kind, prompts, sampled_tokens, max(concurrency))
+            if score_with != "endpoint" and not why_not:
+                srun = rescore.rescored_sampled_run(cfg, ref_cfg, prompts, sampled_tokens, max(concurrency),
+                                                    scorer=score_with)
+            else:
+                srun = sampled_run(cfg, info.kind, prompts, sampled_tokens, max(concurrency))
         except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
             raise EndpointError(f"the sampled run at {cfg.base}: {type(e).__name__}: {e}") from None
-        checks.append(_distribution(srun, sampled_tokens, info.kind))
+        checks.append(_distribution(srun, sampled_tokens, info.kind,
+                                    None if score_with == "endpoint" or not why_not else why_not))
     checks.append(_corruption(run, base_results))
     checks.append(_slices(run, reference))
     checks.append(_load(run, reference))
@@ -305,8 +322,11 @@ def _equivalence(tests: list[Comparison], nulls: dict[int, Comparison], base: En
                    "tables": tables})
 
 
-def _distribution(srun: EndpointRun, budget: int, kind: str) -> dict:
+def _distribution(srun: EndpointRun, budget: int, kind: str, no_reference: str | None = None) -> dict:
+    """no_reference: why the tokens sent without logprobs could not be scored by the reference."""
     f = distribution_figures(srun, min_tokens=min(200, budget))
+    if no_reference and f["tokens_without_logprobs"]:
+        f["reason"] = "; ".join(x for x in (f["reason"], f"not scored by a reference: {no_reference}") if x)
     if f["p_value"] is None:
         summary = f["reason"]
     else:

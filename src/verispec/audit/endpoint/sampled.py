@@ -16,11 +16,13 @@ is exactly Uniform(0, 1) whatever n is; a sampler that favours likely or drafted
 (typical acceptance, a relaxed threshold) piles u near 0. A Kolmogorov-Smirnov test
 (audit.stats.test_uniform) of all u decides, at ALPHA.
 
-Which logprobs: the endpoint's own (``scored_with`` says so in the report). They are the
-target's distribution as the server computes it (llama.cpp: its verify batch's logits;
-verispec: a teacher-forced pass over prompt + answer); a server whose logprobs are not
-its sampling distribution is not caught by this check. Scoring with a separate
-reference's prompt logprobs (echo) is not implemented here.
+Which logprobs: the endpoint's own by default (``scored_with`` says so in the report). They
+are the target's distribution as the server computes it (llama.cpp: its verify batch's
+logits; verispec: a teacher-forced pass over prompt + answer); a server whose logprobs are
+not its sampling distribution is not caught that way. With a llama.cpp endpoint and a
+llama.cpp reference, rescore.py scores the tokens sent without logprobs (or every token,
+``--score-with reference``) by the reference instead, one request a position; the report
+counts the tokens per scorer and marks each token's (``scored_by_token``).
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def pit_top_n(chosen, top: list[tuple], rng: random.Random) -> tuple[float, bool
     return min(1.0, listed + rng.random() * (1.0 - listed)), False
 
 
+ENDPOINT, REFERENCE = "endpoint", "reference"  # who scored a token: its own logprobs, or the reference's
+
 # the share of emitted tokens that may come without logprobs before the check is inconclusive
 MISSING_LOGPROBS_TOLERANCE = 0.01
 
@@ -80,32 +84,35 @@ MISSING_LOGPROBS_TOLERANCE = 0.01
 MAX_ANSWERS_FACTOR = 4
 
 
-def sampled_run(cfg: EndpointConfig, kind: str, prompts: list, tokens: int, concurrency: int) -> EndpointRun:
+def sampled_run(cfg: EndpointConfig, kind: str, prompts: list, tokens: int, concurrency: int,
+                run=None) -> EndpointRun:
     """Temperature-1 answers (prompts taken in turn, repeated) until at least `tokens` tokens
     were emitted. Answers that end at an end-of-text token are shorter than max_tokens, so
     after the first round (tokens / max_tokens answers) more rounds ask for the shortfall at
     the answers' mean length so far, up to MAX_ANSWERS_FACTOR times the first round's
     count; a round with no answer at all ends it (the check then says what failed).
-    One level per round in the returned run."""
+    One level per round in the returned run. run(cfg, prompts) -> EndpointRun asks for the
+    answers (default: client.audit_endpoint; rescore.py passes its own)."""
+    run_round = run or audit_endpoint
     per = max(1, cfg.max_tokens)
     first = max(1, math.ceil(tokens / per))
     cap = MAX_ANSWERS_FACTOR * first
     scfg = replace(cfg, temperature=1.0, sampler=sampler_settings(kind), logprobs=True,
                    top_logprobs=TOP_LOGPROBS, concurrency=(concurrency,))
-    levels, asked, emitted, run = [], 0, 0, None
+    levels, asked, emitted = [], 0, 0
     while not asked or (emitted < tokens and asked < cap):
         mean = emitted / asked if asked and emitted else per
         n = first if not asked else min(cap - asked, max(1, math.ceil((tokens - emitted) / mean)))
         batch = [replace(p, id=f"{p.id}#{i // len(prompts)}") for i, p in
                  ((i, prompts[i % len(prompts)]) for i in range(asked, asked + n))]
-        run = audit_endpoint(scfg, batch)
-        levels += run.levels
+        got_run = run_round(scfg, batch)
+        levels += got_run.levels
         asked += n
-        got = [r for lv in run.levels for r in lv.results if r.ok]
+        got = [r for lv in got_run.levels for r in lv.results if r.ok]
         if not got:
             break
         emitted += sum(r.completion_tokens if r.completion_tokens is not None else len(r.tokens or []) for r in got)
-    return EndpointRun(run.url, run.model, run.kind, run.logprobs, levels)
+    return EndpointRun(got_run.url, got_run.model, got_run.kind, got_run.logprobs, levels)
 
 
 def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, min_tokens: int = 200) -> dict:
@@ -113,6 +120,8 @@ def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, 
     from ..stats import test_uniform
     rng = random.Random(seed)
     us, listed, unscored, errors = [], 0, 0, 0
+    scorers: dict[str, int] = {}  # scored tokens per scorer ("endpoint" / "reference")
+    per_token: dict[str, str] = {}  # answers that say per token who scored it (rescore.py)
     emitted, without = 0, 0  # tokens the server says it emitted; those that came with no logprobs at all
     answers = [r for lv in run.levels for r in lv.results]
     for r in answers:
@@ -124,20 +133,39 @@ def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, 
         emitted += max(n_emitted, got_n)
         without += max(0, n_emitted - got_n)
         ids = r.token_ids or [None] * len(r.tokens or [])
-        for tid, text, top in zip(ids, r.tokens or [], r.top or []):
-            by_id = tid is not None and bool(top) and all(isinstance(k, int) for k, _ in top)
+        who = r.scored_by or [ENDPOINT] * len(r.tokens or [])
+        marks = []
+        for tid, text, top, by in zip(ids, r.tokens or [], r.top or [], who):
+            if not top:  # listed, but with no logprobs (llama.cpp's native answer, a verification step's token)
+                without += 1
+                marks.append("-")
+                continue
+            by_id = tid is not None and all(isinstance(k, int) for k, _ in top)
             got = pit_top_n(tid if by_id else text, top, rng)  # the alternatives' own keys: ids, else texts
             if got is None:
                 unscored += 1
+                marks.append("?")
                 continue
             us.append(got[0])
             listed += got[1]
+            scorers[by or ENDPOINT] = scorers.get(by or ENDPOINT, 0) + 1
+            marks.append("r" if by == REFERENCE else "e")
+        if r.scored_by is not None:
+            per_token[r.id] = "".join(marks)
+    by_ref = scorers.get(REFERENCE, 0)
     figures = {"temperature": 1.0, "n": len(us), "alpha": alpha, "answers": len(answers), "failed_answers": errors,
                "unscored_tokens": unscored, "tail_tokens": len(us) - listed, "top_logprobs": TOP_LOGPROBS,
-               "scored_with": "the endpoint's own top-n logprobs (not a separate reference)",
+               "scored_with": ("the endpoint's own top-n logprobs (not a separate reference)" if not by_ref else
+                               f"the reference's top-n logprobs for {by_ref} tokens, the endpoint's own for "
+                               f"{scorers.get(ENDPOINT, 0)} (separate-reference scoring, rescore.py)"),
+               "scorers": {ENDPOINT: scorers.get(ENDPOINT, 0), REFERENCE: by_ref},
                "order": "descending logprob, one tail bucket for the unlisted tokens",
                "acceptance_rate": None, "mean_accepted_length": None,
                "emitted_tokens": emitted, "tokens_without_logprobs": without}
+    if per_token:
+        figures["scored_by_token"] = {"legend": "per emitted token: e = the endpoint's own logprobs, r = the "
+                                                "reference's, - = none (not tested), ? = malformed list",
+                                      "answers": per_token}
     # A token sent with no logprobs cannot be scored, and which tokens lack them is not
     # chance: llama.cpp's server (0.3.36's vendored tools/server) sets none for the tokens
     # of a speculative verification step (its source leaves result.probs unset there), so what is left to
@@ -145,7 +173,8 @@ def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, 
     # exact sampler (whether a step drafts is fixed before its token is sampled), so a
     # failure of the rest is evidence; a pass says nothing of the missing tokens.
     coverage_gap = (f"the server returned no logprobs for {without} of {emitted} emitted tokens (llama.cpp sends "
-                    "none for tokens from a speculative verification step): those tokens are not tested")
+                    "none for tokens from a speculative verification step)"
+                    + (", nor did the reference" if by_ref or per_token else "") + ": those tokens are not tested")
     if len(us) < min_tokens:
         figures.update(ks_statistic=None, p_value=None, passed=False,
                        reason=f"inconclusive: {len(us)} scored tokens (< {min_tokens}); the server returned "

@@ -1,0 +1,190 @@
+"""Separate-reference scoring for the temperature-1 check (sampled.py): the endpoint's
+emitted tokens scored by a non-speculative reference server of the same model, where
+the endpoint sent no logprobs of its own (or for every token, when asked).
+
+Why: llama-server sends no probabilities for the tokens of a speculative verification
+step, so scored with its own logprobs only the tokens decoded without a draft are tested,
+and the check is inconclusive. A reference that decodes without drafts has every
+position's distribution; both servers serving the same model file, its distribution is
+the endpoint's target distribution (up to the batching numerics the null measures).
+
+How, through llama.cpp's native API on both servers (its OpenAI routes refuse ``echo``,
+"Only no echo is supported", so there are no prompt logprobs: one request a position):
+
+1. the prompt as token ids: a chat prompt through the endpoint's own template
+   (``POST /apply-template``), then ``POST /tokenize`` on the endpoint with add_special
+   and parse_special, as llama.cpp's chat and completion routes tokenize;
+2. the answer: ``POST /completion`` to the endpoint with that token-id prompt, n_predict
+   = max_tokens, temperature 1 and every other sampler setting off (sampled.SAMPLER_OFF),
+   n_probs = TOP_LOGPROBS, return_tokens, not streamed. It holds every emitted token's id
+   and, per token, the top-n logprobs; a verification step's tokens come with an empty
+   list (and a logprob of 0, from the probability 1 llama.cpp leaves there), read here as
+   "no logprobs", never as a probability;
+3. a position j to score: ``POST /completion`` to the reference with the prompt ids plus
+   the first j emitted ids as a token-id prompt, n_predict = 1, the same sampler settings,
+   n_probs = TOP_LOGPROBS, cache_prompt (the slot keeps the prefix: a position costs about
+   one token's pass). Its ``completion_probabilities[0].top_logprobs`` are the reference's
+   top-n before sampling: the softmax of its logits, temperature 1.
+
+No text is tokenized again anywhere: the reference is given the ids the endpoint emitted
+(a detokenized answer need not tokenize back to the same ids). Positions are scored in
+order per answer, answers `concurrency` at a time.
+
+Scorers (`--score-with`): "auto" scores by the reference only the tokens that came without
+logprobs; "reference" every token (the endpoint's own logprobs are kept aside, not used);
+"endpoint" never asks the reference (the runner then takes sampled.py's own path; here it
+leaves those tokens unscored, as they came). Each scored token records which
+scorer it used (PromptResult.scored_by), and the check counts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import httpx
+
+from .client import EndpointConfig, EndpointRun, LevelRun, PromptResult
+from .counters import response_spec
+from .sampled import ENDPOINT, REFERENCE, TOP_LOGPROBS, sampled_run, sampler_settings
+
+SCORERS = ("auto", ENDPOINT, REFERENCE)
+
+
+class RescoreUnsupported(ValueError):
+    """Separate-reference scoring cannot run against these servers (and why)."""
+
+
+def supported(kind: str, ref_kind: str | None) -> str | None:
+    """None when the endpoint and the reference can be scored this way, else why not."""
+    if ref_kind is None:
+        return "no --reference-endpoint to score with"
+    if kind != "llama.cpp" or ref_kind != "llama.cpp":
+        return (f"separate-reference scoring needs llama.cpp's native API on both servers (token-id prompts to "
+                f"/completion, return_tokens; endpoint: {kind}, reference: {ref_kind})")
+    return None
+
+
+class _Native:
+    """llama.cpp's native routes on one server."""
+
+    def __init__(self, cfg: EndpointConfig, concurrency: int):
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self.http = httpx.AsyncClient(base_url=cfg.base, headers=headers, timeout=cfg.timeout_s,
+                                      limits=httpx.Limits(max_connections=concurrency + 4))
+
+    async def post(self, path: str, body: dict) -> dict:
+        r = await self.http.post(path, json=body)
+        if r.status_code != 200:
+            raise httpx.HTTPStatusError(f"HTTP {r.status_code} from {path}: {r.text[:300]}", request=r.request,
+                                        response=r)
+        return r.json()
+
+    async def aclose(self):
+        await self.http.aclose()
+
+
+async def prompt_ids(api: _Native, prompt: str, chat: bool) -> list[int]:
+    """The prompt as the endpoint's token ids (its own chat template for a chat prompt)."""
+    text = prompt
+    if chat:
+        text = (await api.post("/apply-template", {"messages": [{"role": "user", "content": prompt}]}))["prompt"]
+    got = (await api.post("/tokenize", {"content": text, "add_special": True, "parse_special": True}))["tokens"]
+    return [t if isinstance(t, int) else t["id"] for t in got]
+
+
+def _top(entry: dict) -> list[tuple[int, float]]:
+    """[(id, logprob)] of one completion_probabilities entry ([] where the server set none)."""
+    return [(t["id"], t["logprob"]) for t in entry.get("top_logprobs") or [] if "id" in t and "logprob" in t]
+
+
+def _body(ids: list[int], n_predict: int, sampler: dict) -> dict:
+    return {"prompt": ids, "n_predict": n_predict, "temperature": 1.0, **sampler, "n_probs": TOP_LOGPROBS,
+            "post_sampling_probs": False, "return_tokens": True, "stream": False, "cache_prompt": True}
+
+
+async def sample_answer(api: _Native, pid: str, slice_: str, ids: list[int], max_tokens: int,
+                        sampler: dict) -> PromptResult:
+    """One temperature-1 answer from the endpoint's /completion, every token with its id."""
+    res = PromptResult(pid, slice_)
+    t0 = time.perf_counter()
+    obj = await api.post("/completion", _body(ids, max_tokens, sampler))
+    probs = obj.get("completion_probabilities") or []
+    got = [p.get("id") for p in probs]
+    if obj.get("tokens") is not None and obj["tokens"] != got:
+        res.error = (f"/completion's tokens ({len(obj['tokens'])}) and completion_probabilities ({len(got)}) "
+                     "disagree: the emitted ids are unknown")
+        return res
+    res.latency_s = time.perf_counter() - t0
+    res.text = obj.get("content", "")
+    res.finish_reason = "length" if obj.get("stop_type") == "limit" else "stop"
+    res.prompt_tokens = obj.get("tokens_evaluated")
+    res.completion_tokens = obj.get("tokens_predicted", len(got))
+    res.tokens = [p.get("token", "") for p in probs]
+    res.top = [_top(p) for p in probs]
+    res.token_ids = got
+    res.token_logprobs = [p.get("logprob") if t else None for p, t in zip(probs, res.top)]
+    res.top2_margins = [t[0][1] - t[1][1] if len(t) >= 2 else None for t in res.top]
+    res.scored_by = [ENDPOINT if t else None for t in res.top]
+    res.server_info = response_spec(obj)
+    return res
+
+
+async def score_position(ref: _Native, ids: list[int], sampler: dict) -> list[tuple[int, float]]:
+    """The reference's top-n logprobs of the token after `ids` ([] if it sent none)."""
+    obj = await ref.post("/completion", _body(ids, 1, sampler))
+    probs = obj.get("completion_probabilities") or []
+    return _top(probs[0]) if probs else []
+
+
+async def _one(api: _Native, ref: _Native, p, chat: bool, max_tokens: int, sampler: dict, scorer: str,
+               cache: dict) -> PromptResult:
+    try:
+        if p.prompt not in cache:
+            cache[p.prompt] = await prompt_ids(api, p.prompt, chat)
+        ids = cache[p.prompt]
+        r = await sample_answer(api, p.id, p.slice, ids, max_tokens, sampler)
+        if not r.ok:
+            return r
+        for j in range(len(r.token_ids)):
+            if scorer == REFERENCE or (scorer == "auto" and not r.top[j]):
+                r.top[j] = await score_position(ref, ids + r.token_ids[:j], sampler)
+                r.scored_by[j] = REFERENCE if r.top[j] else None
+        return r
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as e:
+        return PromptResult(p.id, p.slice, error=f"{type(e).__name__}: {e}")
+
+
+async def run_rescored(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: list,
+                       scorer: str = "auto") -> EndpointRun:
+    """The prompts' temperature-1 answers from the endpoint, scored as the module says;
+    cfg.concurrency[0] answers at a time."""
+    if scorer not in (ENDPOINT, REFERENCE, "auto"):
+        raise ValueError(f"scorer must be one of {SCORERS}, got {scorer!r}")
+    conc = cfg.concurrency[0]
+    api, ref = _Native(cfg, conc), _Native(ref_cfg, conc)
+    sampler = sampler_settings("llama.cpp")
+    cache: dict = {}
+    sem = asyncio.Semaphore(conc)
+
+    async def bounded(p):
+        async with sem:
+            return await _one(api, ref, p, cfg.chat, cfg.max_tokens, sampler, scorer, cache)
+    try:
+        model = cfg.model or (await api.http.get("/v1/models")).json()["data"][0]["id"]
+        t0 = time.perf_counter()
+        results = list(await asyncio.gather(*(bounded(p) for p in prompts)))
+        wall = time.perf_counter() - t0
+    finally:
+        await api.aclose()
+        await ref.aclose()
+    return EndpointRun(cfg.base, model, "llama.cpp", True, [LevelRun(conc, wall, results, None)])
+
+
+def rescored_sampled_run(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: list, tokens: int,
+                         concurrency: int, scorer: str = "auto") -> EndpointRun:
+    """sampled.sampled_run (the token budget, prompts in turn) with answers from run_rescored."""
+    def run(scfg: EndpointConfig, batch: list) -> EndpointRun:
+        return asyncio.run(run_rescored(scfg, replace(ref_cfg, extra_body=None), batch, scorer))
+    return sampled_run(cfg, "llama.cpp", prompts, tokens, concurrency, run=run)
