@@ -1,0 +1,49 @@
+"""Separate-reference scoring against llama.cpp's own server (slow): SmolLM2-135M (the
+preset's Q4_1 GGUF) served by llama-server built from the pinned sdist, with prompt-lookup
+speculation (ngram-simple) as the endpoint and without as the reference. The tokens the
+speculative server sends no logprobs for (a verification step's) are scored by the
+reference, by token ids, so every emitted token is tested."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.llama_server import NGRAM, LlamaServer, binary
+from verispec.audit.endpoint.client import EndpointConfig
+from verispec.audit.endpoint.rescore import rescored_sampled_run
+from verispec.audit.endpoint.sampled import distribution_figures
+from verispec.audit.suite import load_suite
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def servers():
+    from verispec.models.presets import PresetNotInstalledError, get_preset, locate_parts
+    try:
+        gguf = locate_parts(get_preset("smollm2-135m"))[0]
+    except PresetNotInstalledError as e:
+        pytest.skip(f"SmolLM2 preset not installed: {e}")
+    exe, why = binary()
+    if exe is None:
+        pytest.skip(f"llama-server unavailable: {why}")
+    with LlamaServer(gguf, slots=4) as plain, LlamaServer(gguf, spec=NGRAM, slots=4) as spec:
+        yield spec.url, plain.url
+
+
+def test_reference_scores_the_speculative_servers_tokens(servers):
+    spec, plain = servers
+    by_slice: dict[str, list] = {}
+    for p in load_suite("default"):
+        by_slice.setdefault(p.slice, []).append(p)
+    prompts = [ps[0] for ps in by_slice.values()]  # one prompt a slice
+    run = rescored_sampled_run(EndpointConfig(spec, max_tokens=48), EndpointConfig(plain), prompts, 384, 4)
+    f = distribution_figures(run)
+    print({k: v for k, v in f.items() if k not in ("histogram", "tests", "scored_by_token")})
+    assert f["failed_answers"] == 0 and f["unscored_tokens"] == 0
+    drafted = sum((r.server_info or {}).get("drafted") or 0 for lv in run.levels for r in lv.results)
+    assert drafted > 0  # the answers were speculative
+    # the tokens of verification steps came without logprobs and were scored by the reference
+    assert f["scorers"]["reference"] > 0 and f["scorers"]["endpoint"] > 0
+    assert f["tokens_without_logprobs"] == 0 and f["n"] == f["emitted_tokens"] >= 384
+    assert f["passed"], f["reason"]  # llama.cpp's speculative sampling follows the reference's distribution
