@@ -20,18 +20,19 @@ pytestmark = [pytest.mark.slow,
 N_PROMPTS, MAX_NEW = 32, 32
 
 
-def _load(spec):
+def _load(spec, batch_invariant=False):
     from verispec.models import load_model
     from verispec.models.presets import PresetNotInstalledError
     try:
-        return load_model(spec, backend="ggml", progress=False)
+        return load_model(spec, backend="ggml", progress=False, batch_invariant=batch_invariant)
     except PresetNotInstalledError as e:
         pytest.skip(f"{spec} not installed: {e}")
 
 
 def _equivalence(loaded, drafter_for, k=4):
+    """Batch-invariant models must match plain batch 1 on every prompt, at every batch size."""
     from verispec.audit.context import encode, select_prompts
-    from verispec.audit.equivalence import compare, reference_logits_at
+    from verispec.audit.equivalence import compare, reference_logits_at, tie_margin_for
     from verispec.audit.suite import load_suite
     from verispec.engine import Engine, EngineConfig, GenerationParams, Request
     from verispec.models.noise import batching_noise
@@ -42,6 +43,10 @@ def _equivalence(loaded, drafter_for, k=4):
     assert len(prompts) == N_PROMPTS
     max_len = max(map(len, prompts)) + MAX_NEW + 2
     noise = batching_noise(m)
+    exact = getattr(m, "batch_invariant", False)
+    if exact:
+        assert noise == {"logit": 0.0, "margin": 0.0}, noise
+        noise = {**noise, "margin": tie_margin_for(m)["value"]}  # the fixed fp32 margin
 
     def run(drafter, batch):
         eng = Engine(m, drafter, FixedK(k if drafter is not None else 0),
@@ -76,12 +81,41 @@ def _equivalence(loaded, drafter_for, k=4):
     for b, v in rows.items():
         assert v["drafted"] > 100, f"b={b}: too few drafts to test anything"
         assert v["divergence"] == 0, f"b={b}: a divergence beyond the backend's noise: {v}"
+        if exact:
+            assert v["identical"] == N_PROMPTS, f"b={b}: batch-invariant, yet not identical: {v}"
     return rows
 
 
 def test_smollm2_lookup():
     from verispec.drafters.lookup import PromptLookupDrafter
     _equivalence(_load("smollm2-135m"), lambda b, L: PromptLookupDrafter())
+
+
+def test_smollm2_lookup_batch_invariant():
+    from verispec.drafters.lookup import PromptLookupDrafter
+    _equivalence(_load("smollm2-135m", batch_invariant=True), lambda b, L: PromptLookupDrafter())
+
+
+def test_qwen_pair_batch_invariant():
+    """The Q4_K_M target in batch-invariant mode (the draft model in the default mode: its
+    numerics change what it drafts, never what the target emits). Its Q4_K/Q6_K weights need
+    llama.cpp's tiled kernel off, which ggml fixes at a process's first decode: after other
+    tests have decoded, this test runs itself in a fresh process."""
+    from verispec.models.ggml import lib
+    if lib._tiled_off_at_first_decode is False:
+        import os
+        import subprocess
+        import sys
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                            f"{__file__}::test_qwen_pair_batch_invariant"], capture_output=True, text=True,
+                           env={**os.environ, lib.TILED_MM_ENV: "0"})
+        print(r.stdout[-3000:])
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        return
+    from verispec.drafters.draft_model import DraftModelDrafter
+    target, draft = _load("qwen2.5-coder-1.5b", batch_invariant=True), _load("qwen2.5-coder-0.5b")
+    V = target.model.config.vocab_size
+    _equivalence(target, lambda b, L: DraftModelDrafter(draft.model, V, max_rows=b, max_len=L + 8))
 
 
 def test_qwen_pair():

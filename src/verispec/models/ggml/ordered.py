@@ -11,10 +11,11 @@ what this cache (with GgmlModel(batch_invariant=True)) does about each:
 - Flash attention (forced on) takes a tiled kernel for 64 or more query tokens: a pass holds
   at most 63 tokens (runtime.MAX_UBATCH_TOKENS).
 - Flash attention splits the KV range across threads for a pass of exactly one token once
-  the context reaches 512 cells, and merges the parts in another order: no llama_decode
-  here holds one token. A one-token forward gets a second, throwaway token in a sequence
-  of its own (DUMMY), removed again right after; a longer feed is split so that no piece is
-  a single token. (llamafile's tinyBLAS also serves only passes of 2 or more tokens; on the
+  the context reaches 512 cells, and merges the parts in another order (with one thread
+  the single part merges back bitwise): at more than one thread and past 256 used cells no
+  llama_decode here holds one token. A one-token forward then gets a second, throwaway
+  token in a sequence of its own (DUMMY), removed again right after; a longer feed is
+  split so that no piece is a single token. (llamafile's tinyBLAS also serves only passes of 2 or more tokens; on the
   files measured it agrees with the one-token kernel bitwise, see benchmarks/RESULTS.md.)
 - Attention over the unified KV buffer sums in cell storage order, skipping other rows'
   cells exactly (masked cells are not visited), so a row's attention is what a fresh
@@ -85,7 +86,9 @@ class GgmlOrderedCache(GgmlCache):
 
     def _decode(self, tok, pos, seq, want) -> int:
         N = len(tok)
-        pad = N == 1
+        # the split-KV path: one token, >= 512 cells (n_kv is the used range padded to 256), and
+        # more than one thread (on one, its single part merges to the one-chunk result bitwise)
+        pad = N == 1 and self._threads > 1 and self._head + N > 256
         if self._dirty or self._head + N + pad > self.capacity or self._garbage > max(256, self.live_cells // 2):
             self.compact()
         if self._head + N + pad > self.capacity:
