@@ -2,9 +2,9 @@
 
 Backends, one module or folder each, chosen by load_model(spec, backend=...):
     native   llama.py (+ cache.py, attention.py, fastlinear.py): the Llama-family runtime in
-             fp32 on converted weights; the reference, and the only batch-invariant backend
+             fp32 on converted weights; the reference
     ggml     ggml/: llama.cpp through llama-cpp-python on the GGUF file as shipped (quantized);
-             the `gguf` extra
+             the `gguf` extra; batch-invariant too when asked (ggml/ordered.py)
 
 CausalLM protocol (what the engine relies on)::
 
@@ -83,7 +83,8 @@ def load_model(spec: str, *, progress: bool = True, batch_invariant: bool = Fals
     """Resolve a preset name, local directory, GGUF file or hub id and load it on `backend`
     (see resolve_backend; "ggml" runs presets and .gguf files as shipped).
 
-    batch_invariant: bitwise batch-invariant numerics (LlamaModel's batch_invariant; native only)."""
+    batch_invariant: bitwise batch-invariant numerics (LlamaModel's batch_invariant on native,
+    GgmlModel's on ggml)."""
     if resolve_backend(spec, backend) == "ggml":
         from .ggml import load_ggml
         return load_ggml(spec, progress=progress, batch_invariant=batch_invariant)
