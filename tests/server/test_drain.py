@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -115,3 +116,56 @@ def test_sigterm_drains(proc):
                 err = res["body"]["error"]
             assert err["code"] == "server_shutting_down" and "server shutting down" in err["message"], err
             assert err["type"] == "server_error"
+
+
+def test_refused_while_draining_after_its_body(proc):
+    """A request refused while the server drains is answered once its body has been read.
+    A client writes the headers and the body separately (httpx does), and a busy machine
+    puts time between the two. Answering 503 with "Connection: close" as soon as the
+    headers came, the server closed the connection while the body was on its way or
+    unread, the kernel reset it, and the client lost the answer (httpx.ReadError in the
+    drain test on a loaded CI machine)."""
+    p, url = proc
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"model": MODEL, "prompt": "late", "max_tokens": 4}).encode()
+
+    async def start_long():
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30)) as c:
+            long = asyncio.ensure_future(_run(c, "long one", 240, False, True))
+            deadline = time.monotonic() + 30
+            while metric((await c.get("/metrics")).text, "verispec_num_requests_running") < 1:
+                assert time.monotonic() < deadline, "the long request did not start"
+                await asyncio.sleep(0.05)
+            p.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            late = await asyncio.to_thread(_late_request, port, body)
+            return late, await long
+
+    late, long = asyncio.run(start_long())
+    early, answer = late
+    assert early == b"", f"answered before the request body was sent: {early[:80]!r}"
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), answer[:200]
+    assert b"connection: close" in head.lower()
+    assert json.loads(payload)["error"]["code"] == "server_shutting_down"
+    assert long["status"] == 503  # the long one was cut off by the drain timeout
+    assert p.wait(DRAIN_S + 15) == 0
+
+
+def _late_request(port: int, body: bytes) -> tuple[bytes, bytes]:
+    """POST the headers, wait, then the body; return (bytes received before the body was
+    sent, the whole answer read to a clean end of stream: a reset raises)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body))
+        s.settimeout(0.5)
+        try:
+            early = s.recv(65536)
+        except TimeoutError:
+            early = b""
+        s.settimeout(10)
+        s.sendall(body)
+        answer = early
+        while chunk := s.recv(65536):
+            answer += chunk
+        return early, answer

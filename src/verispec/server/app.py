@@ -27,7 +27,7 @@ from typing import Any, Callable
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .. import __version__
@@ -278,6 +278,24 @@ def _error_response(e: OpenAIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+async def _discard_body(request: Request, limit: int, timeout_s: float = 5.0) -> None:
+    """Read and drop the body of a request refused before it was parsed (401, or 503 while
+    draining, which also closes the connection). Answering while the client is still
+    sending its body, then closing, makes the kernel reset the connection, and the
+    client loses the answer. Bounded: at most `limit` bytes, `timeout_s` seconds."""
+    async def drain() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return
+
+    try:
+        await asyncio.wait_for(drain(), timeout_s)
+    except (ClientDisconnect, asyncio.TimeoutError):
+        pass
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -431,8 +449,12 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
     async def _tracked(request: Request, handler):
         """Generation requests: refused while draining, else counted in flight until
         their answer is complete (a stream: until it closes)."""
-        state.authorize(request)
-        state.check_open()
+        try:
+            state.authorize(request)
+            state.check_open()
+        except OpenAIError:
+            await _discard_body(request, state.config.max_body_bytes)
+            raise
         state.in_flight += 1
         try:
             response = await handler(request)
