@@ -26,7 +26,7 @@ from ..drafters.layerskip import LayerSkipDrafter
 from ..drafters.lookup import PromptLookupDrafter, lookup_continuation
 from .checks import CheckResult
 from .context import AuditContext, GreedyRuns
-from .equivalence import TIE_MARGIN, teacher_forced_logits, tie_margin_for
+from .equivalence import TIE_MARGIN, prefix_cache, teacher_forced_logits, tie_margin_for
 
 MAX_LISTED = 20
 
@@ -50,15 +50,17 @@ def oracle_for(drafter, target_model) -> Oracle | None:
 
 
 def check_request(oracle: Oracle, req, k: int, logits_cache: dict,
-                  tie_margin: float = TIE_MARGIN) -> tuple[int, int, list[dict]]:
-    """-> (positions compared, near-ties, mismatches) for one finished greedy request."""
+                  tie_margin: float = TIE_MARGIN, prefixes=None) -> tuple[int, int, list[dict]]:
+    """-> (positions compared, near-ties, mismatches) for one finished greedy request.
+    prefixes: the draft model's prompt prefills to reuse (equivalence.prefix_cache)."""
     full, P = req.tokens, len(req.prompt_ids)
     logits = best = None
     if oracle.kind == "model":
         key = tuple(full)
         if key not in logits_cache:
             # [len(full) - P + 1, V]: row j is the draft's output at position P - 1 + j
-            lg = teacher_forced_logits(oracle.model, full, first=P - 1, num_layers=oracle.num_layers)
+            lg = teacher_forced_logits(oracle.model, full, first=P - 1, num_layers=oracle.num_layers,
+                                       prefixes=prefixes)
             logits_cache[key] = (lg, lg.argmax(-1).tolist())  # sync: one transfer per sequence
         logits, best = logits_cache[key]
     compared, ties, bad = 0, 0, []
@@ -105,6 +107,7 @@ def drafter_consistency_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResul
                            f"not applicable: no reference implementation for drafter {name!r}",
                            {"drafter": name, "applicable": False}, informational=True)
     logits_cache: dict = {}
+    prefixes = prefix_cache() if oracle.kind == "model" else None  # each prompt prefilled once
     tie = tie_margin_for(oracle.model) if oracle.kind == "model" else None  # lookup: exact integers
     per_batch, mismatches = [], []
     total = sum(len(v) for v in runs.speculative.values())
@@ -113,7 +116,7 @@ def drafter_consistency_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResul
             compared = ties = n_bad = 0
             for i, r in enumerate(reqs):
                 c, t, bad = check_request(oracle, r, ctx.config.k, logits_cache,
-                                          tie["value"] if tie else TIE_MARGIN)
+                                          tie["value"] if tie else TIE_MARGIN, prefixes)
                 compared, ties, n_bad = compared + c, ties + t, n_bad + len(bad)
                 for m in bad[:MAX_LISTED - len(mismatches)]:
                     mismatches.append({"batch": b, "id": ctx.prompts[i].id, **m})

@@ -26,8 +26,9 @@ DrafterFactory = Callable[[int, int], Any]  # (max_rows, max_len) -> a Drafter (
 
 @dataclass(frozen=True)
 class AuditSizes:
-    """How much work each check does. `quick()` takes ~4 minutes of SmolLM2-135M on 2 CPU
-    cores (243 s measured quiet), `full()` ~19 (1,145 s); tests build tiny ones."""
+    """How much work each check does. `quick()` takes ~3.3 minutes of SmolLM2-135M on 2 CPU
+    cores (199 s measured quiet; 243 s with 32 greedy tokens and no prefill reuse), `full()`
+    ~19 (1,145 s before the prefill reuse); tests build tiny ones."""
 
     name: str
     prompts_per_slice: int | None  # None: every prompt of the suite
@@ -62,7 +63,7 @@ class AuditSizes:
 
     @classmethod
     def quick(cls) -> "AuditSizes":
-        return cls("quick", prompts_per_slice=2, max_new_tokens=32, distribution_tokens=2048,
+        return cls("quick", prompts_per_slice=2, max_new_tokens=24, distribution_tokens=2048,
                    distribution_max_new=64, seeded_prompts=8, seeded_max_new=24, short_context=100,
                    long_context=1000, long_max_batch=4, load_rounds=2, load_steps=3,
                    probe_tokens=512, probe_masses=(0.8,), probe_max_new=32)
@@ -199,10 +200,14 @@ class AuditContext:
         return inject(name) if name else contextlib.nullcontext()
 
     def engine(self, batch: int, max_len: int, *, speculative: bool = True, policy=None,
-               rule: str | None = None, wrap=None) -> Engine:
-        """An engine under audit; `wrap(policy)` may wrap the configured policy (load sweep)."""
+               rule: str | None = None, wrap=None, prompt_caches=None) -> Engine:
+        """An engine under audit; `wrap(policy)` may wrap the configured policy (load sweep).
+        prompt_caches: (target's, draft model's) engine.PromptCache, for runs that time
+        decoding only (the load sweep); the checks that compare outputs prefill afresh."""
         k = self.config.k
         drafter = self.drafter_factory(batch, max_len + k + 2) if speculative else None
+        if prompt_caches is not None and hasattr(drafter, "prompt_cache"):
+            drafter.prompt_cache = prompt_caches[1]
         if policy is None:
             policy = FixedK(k if drafter is not None else 0)
             if drafter is not None and self.config.policy == "adaptive":
@@ -210,7 +215,8 @@ class AuditContext:
         if wrap is not None:
             policy = wrap(policy)
         return Engine(self.model, drafter, policy,
-                      EngineConfig(max_batch=batch, max_len=max_len, rule=rule or self.config.rule))
+                      EngineConfig(max_batch=batch, max_len=max_len, rule=rule or self.config.rule),
+                      prompt_cache=None if prompt_caches is None else prompt_caches[0])
 
     def cost_model(self, batch: int, max_len: int):
         """The cost model every adaptive engine of the audit plans with: timed once, at the

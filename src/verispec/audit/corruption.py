@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .checks import CheckResult
-from .equivalence import teacher_forced_logits
+from .equivalence import prefix_cache, teacher_forced_logits
 
 LOOP_MIN_REPEATS = 4  # a unit repeated at least this many times back to back ...
 LOOP_MIN_SPAN = 16  # ... covering at least this many tokens, at the end of the output
@@ -69,12 +69,13 @@ def longest_char_run(text: str) -> tuple[int, str]:
     return best, best_c
 
 
-def continuation_perplexity(model, prompt: list[int], output: list[int]) -> float | None:
-    """exp(mean negative log-likelihood) of output given prompt under model (temperature 1)."""
+def continuation_perplexity(model, prompt: list[int], output: list[int], prefixes=None) -> float | None:
+    """exp(mean negative log-likelihood) of output given prompt under model (temperature 1).
+    prefixes: prompt prefills to reuse (equivalence.prefix_cache)."""
     if not output:
         return None
     seq = prompt + output
-    logits = teacher_forced_logits(model, seq[:-1], first=len(prompt) - 1)  # [len(output),V]
+    logits = teacher_forced_logits(model, seq[:-1], first=len(prompt) - 1, prefixes=prefixes)  # [len(output),V]
     logp = torch.log_softmax(logits.double(), dim=-1)
     nll = -logp.gather(-1, torch.tensor(output)[:, None]).mean()
     return math.exp(float(nll))  # sync: one scalar per output
@@ -125,11 +126,12 @@ def corruption_check(ctx, runs) -> CheckResult:
     """Signatures of every greedy speculative output against its reference's
     (ctx: AuditContext, runs: GreedyRuns)."""
     ppl: dict[tuple[int, tuple[int, ...]], float | None] = {}
+    prefixes = prefix_cache()  # each prompt prefilled once for its reference and its outputs
 
     def sig(i: int, req) -> Signatures:
         key = (i, tuple(req.output_ids))
         if key not in ppl:
-            ppl[key] = continuation_perplexity(ctx.model, ctx.prompt_ids[i], req.output_ids)
+            ppl[key] = continuation_perplexity(ctx.model, ctx.prompt_ids[i], req.output_ids, prefixes)
         return signatures(req.output_ids, ctx.decode(req.output_ids), req.finish_reason == "stop", ppl[key])
 
     total = len(runs.reference) + sum(len(v) for v in runs.speculative.values())

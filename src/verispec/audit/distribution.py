@@ -44,7 +44,7 @@ from ..sampling import logits_to_probs
 from .checks import CheckResult
 from .consistency import oracle_for
 from .context import AuditContext
-from .equivalence import teacher_forced_logits
+from .equivalence import prefix_cache, teacher_forced_logits
 from .probe import nucleus_q, probe_drafter
 from .stats import calibration_test, randomized_pit, tail_test, test_uniform
 
@@ -61,14 +61,16 @@ def _sample(ctx: AuditContext, reqs: list[Request], batch: int, max_len: int, po
     return time.perf_counter() - t0
 
 
-def draft_q(oracle, r: Request, V: int) -> torch.Tensor | None:
+def draft_q(oracle, r: Request, V: int, prefixes=None) -> torch.Tensor | None:
     """The drafter's q [n_out, V] at every output position of r, teacher-forced under r's
     sampling settings (row j: the distribution the draft at output index j was drawn from);
-    None for prompt lookup (q one-hot at its draft)."""
+    None for prompt lookup (q one-hot at its draft). prefixes: the drafter's prompt prefills
+    (equivalence.prefix_cache)."""
     if oracle is None or oracle.kind != "model":
         return None
     P = len(r.prompt_ids)
-    logits = teacher_forced_logits(oracle.model, r.tokens[:-1], first=P - 1, num_layers=oracle.num_layers)
+    logits = teacher_forced_logits(oracle.model, r.tokens[:-1], first=P - 1, num_layers=oracle.num_layers,
+                                   prefixes=prefixes)
     return logits_to_probs(logits[:, :V], r.params.sampling)  # [n_out,V]
 
 
@@ -182,14 +184,17 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     oracle = oracle_for(ctx.drafter_factory(1, 8), ctx.model)  # the drafter's q, recomputed
     us, us_rec, us_bonus, calib, probe_calib, impossible = [], [], [], [], [], 0
     todo = [(r, None) for r in reqs] + [(r, m) for m, rs in probe for r in rs]
+    # each prompt is prefilled once for all its outputs (the same batch-1 numbers)
+    target_prefixes, draft_prefixes = prefix_cache(), prefix_cache()
     with ctx.progress.stage("distribution: teacher forcing", len(todo)) as bar:
         for r, mass in todo:
             P = len(r.prompt_ids)
-            logits = teacher_forced_logits(ctx.model, r.tokens[:-1], first=P - 1)  # [n_out,V]
+            logits = teacher_forced_logits(ctx.model, r.tokens[:-1], first=P - 1,
+                                           prefixes=target_prefixes)  # [n_out,V]
             p = logits_to_probs(logits, r.params.sampling)  # [n_out,V]
             out = torch.tensor(r.output_ids)
             us.append(randomized_pit(p, out, g))
-            q = draft_q(oracle, r, p.shape[-1]) if mass is None else nucleus_q(p, mass)
+            q = draft_q(oracle, r, p.shape[-1], draft_prefixes) if mass is None else nucleus_q(p, mass)
             c, rec, bonus, imp = _mechanisms(r, p, q)
             (calib if mass is None else probe_calib).extend(c)
             impossible += imp

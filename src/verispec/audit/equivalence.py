@@ -91,15 +91,32 @@ def compare(prompt: list[int], ref: list[int], got: list[int], margin_fn, tie_ma
     return Comparison(False, i, m, "near-tie" if m < tie_margin else "divergence")
 
 
-def teacher_forced_logits(model, tokens: list[int], first: int = 0, num_layers: int | None = None) -> torch.Tensor:
+def teacher_forced_logits(model, tokens: list[int], first: int = 0, num_layers: int | None = None,
+                          prefixes=None) -> torch.Tensor:
     """One batch-1 pass of model over tokens -> logits [T - first, V]; row j is the output at
     position first + j, i.e. the distribution of tokens[first + j + 1]. Positions before
     `first` are prefilled without computing their logits (the LM head is a large share of a
-    small model). num_layers < L gives the layer-skip draft's logits (see models/llama.py)."""
+    small model). num_layers < L gives the layer-skip draft's logits (see models/llama.py).
+    prefixes: an engine.PromptCache for one (model, num_layers): the prefill of tokens[:first]
+    is taken from it when an earlier call made it (the audit scores several outputs of each
+    prompt), and put there otherwise; the numbers are those of the batch-1 prefill either way."""
     if not 0 <= first < len(tokens):
         raise ValueError(f"first must lie in [0, {len(tokens)}), got {first}")
     cache = model.new_cache(1, len(tokens))
     row = cache.alloc()
     if first > 0:
-        model.forward(torch.tensor([tokens[:first]]), cache, row, last_only=True, num_layers=num_layers)
+        head = tokens[:first]
+        if prefixes is None or not prefixes.restore(cache, row[0], head):
+            model.forward(torch.tensor([head]), cache, row, last_only=True, num_layers=num_layers)
+            if prefixes is not None:
+                prefixes.save(cache, row[0], head)
     return model.forward(torch.tensor([tokens[first:]]), cache, row, num_layers=num_layers)[0]
+
+
+TF_PREFIX_TOKENS = 1 << 13  # the prompt prefills one check keeps for its teacher forcing
+
+
+def prefix_cache():
+    """A cache of prompt prefills for teacher_forced_logits (one per model and layer count)."""
+    from ..engine import PromptCache
+    return PromptCache(max_tokens=TF_PREFIX_TOKENS)

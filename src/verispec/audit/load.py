@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from ..engine import GenerationParams, Request
+from ..engine import GenerationParams, PromptCache, Request
 from ..policy import PolicyWrapper
 from .checks import CheckResult
 from .context import AuditContext, encode
@@ -58,11 +58,13 @@ def context_prompts(ctx: AuditContext, rows: int, n_tokens: int) -> list[list[in
     return out
 
 
-def measure_point(ctx: AuditContext, batch: int, prompts: list[list[int]]) -> dict:
+def measure_point(ctx: AuditContext, batch: int, prompts: list[list[int]], prompt_caches=None) -> dict:
+    """prompt_caches: (target's, draft model's) PromptCache shared by the sweep's points, so a
+    prompt two points share is prefilled once (prefill is not timed here)."""
     sizes, k = ctx.config.sizes, ctx.config.k
     steps, rounds = sizes.load_steps, sizes.load_rounds
     max_new = 2 * (k + 2) + rounds * steps * (k + 2) + 1  # warm-up + every phase, k+1 per spec step
-    engine = ctx.engine(batch, max(map(len, prompts)) + max_new, wrap=PhasedPolicy)
+    engine = ctx.engine(batch, max(map(len, prompts)) + max_new, wrap=PhasedPolicy, prompt_caches=prompt_caches)
     policy = engine.policy
     reqs = [Request(p, GenerationParams(max_new_tokens=max_new, ignore_eos=True)) for p in prompts]
     for r in reqs:
@@ -121,9 +123,11 @@ def load_check(ctx: AuditContext) -> CheckResult:
     plan += [("long", sizes.long_context, b) for b in batches
              if sizes.long_max_batch is None or b <= sizes.long_max_batch]
     points: dict[str, list[dict]] = {"short": [], "long": []}
+    # a point's rows are the first rows of the next larger point's: prefilled once
+    caches = (PromptCache(max_tokens=1 << 16), PromptCache(max_tokens=1 << 16))
     with ctx.progress.stage("load sweep", len(plan)) as bar:
         for name, n_tokens, b in plan:
-            points[name].append(measure_point(ctx, b, context_prompts(ctx, b, n_tokens)))
+            points[name].append(measure_point(ctx, b, context_prompts(ctx, b, n_tokens), caches))
             bar.advance()
     cross = {name: crossover(pts) for name, pts in points.items() if pts}
     words = []
