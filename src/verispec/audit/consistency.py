@@ -110,25 +110,36 @@ def drafter_consistency_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResul
     prefixes = prefix_cache() if oracle.kind == "model" else None  # each prompt prefilled once
     tie = tie_margin_for(oracle.model) if oracle.kind == "model" else None  # lookup: exact integers
     per_batch, mismatches = [], []
-    total = sum(len(v) for v in runs.speculative.values())
+    # the deployed policy's runs, and the run with drafting forced: an adaptive policy may
+    # draft little or nothing (layer-skip on SmolLM2 at 24 tokens), which compares nothing
+    configs = [(b, ctx.config.policy, reqs) for b, reqs in sorted(runs.speculative.items())]
+    if runs.forced is not None:
+        configs.append((runs.forced[0], f"fixed k={ctx.config.forced_k}", runs.forced[1]))
+    total = sum(len(reqs) for _, _, reqs in configs)
     with ctx.progress.stage(f"drafter consistency ({oracle.kind})", total) as bar:
-        for b, reqs in sorted(runs.speculative.items()):
+        for b, policy, reqs in configs:
             compared = ties = n_bad = 0
             for i, r in enumerate(reqs):
                 c, t, bad = check_request(oracle, r, ctx.config.k, logits_cache,
                                           tie["value"] if tie else TIE_MARGIN, prefixes)
                 compared, ties, n_bad = compared + c, ties + t, n_bad + len(bad)
                 for m in bad[:MAX_LISTED - len(mismatches)]:
-                    mismatches.append({"batch": b, "id": ctx.prompts[i].id, **m})
+                    mismatches.append({"batch": b, "policy": policy, "id": ctx.prompts[i].id, **m})
                 bar.advance()
-            per_batch.append({"batch": b, "positions_compared": compared, "near_ties": ties,
+            per_batch.append({"batch": b, "policy": policy, "positions_compared": compared, "near_ties": ties,
                               "mismatches": n_bad})
     n_bad = sum(r["mismatches"] for r in per_batch)
     compared = sum(r["positions_compared"] for r in per_batch)
-    passed = n_bad == 0
-    summary = (f"{compared} draft positions match a fresh {name} drafter"
-               if passed else f"{n_bad} of {compared} draft positions differ from a fresh {name} drafter "
-                              "(stale drafter state)")
+    passed = n_bad == 0 and compared > 0
+    if n_bad:
+        summary = (f"{n_bad} of {compared} draft positions differ from a fresh {name} drafter "
+                   "(stale drafter state)")
+    elif not compared:
+        summary = f"INCONCLUSIVE: no draft of the {name} drafter was made, so none could be compared"
+    else:
+        summary = (f"{compared} draft positions match a fresh {name} drafter ("
+                   + ", ".join(f"b{r['batch']}" + ("" if r["policy"] == ctx.config.policy else f" {r['policy']}")
+                               + f" {r['positions_compared']}" for r in per_batch) + ")")
     figures = {"drafter": name, "oracle": oracle.kind, "applicable": True,
                "positions_compared": compared, "mismatches": n_bad,
                "near_ties": sum(r["near_ties"] for r in per_batch),

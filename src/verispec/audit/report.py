@@ -292,8 +292,8 @@ def _sections(report: dict) -> list[tuple[str, list[str], list[list]]]:
                       r["drafted"], r["passed"]] for r in sd["details"]["per_config"]]))
     c = _check(report, "drafter-consistency")
     if c and c["figures"].get("applicable"):
-        out.append(("Drafter consistency", ["batch", "positions compared", "near-ties", "mismatches"],
-                    [[r["batch"], r["positions_compared"], r["near_ties"], r["mismatches"]]
+        out.append(("Drafter consistency", ["batch", "policy", "positions compared", "near-ties", "mismatches"],
+                    [[r["batch"], r.get("policy", "-"), r["positions_compared"], r["near_ties"], r["mismatches"]]
                      for r in c["details"]["per_batch"]]))
         if c["details"]["mismatches"]:
             out.append(("Drafter consistency: first mismatches", ["batch", "prompt", "step", "position",
