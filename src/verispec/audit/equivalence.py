@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..engine import PromptCache
+
 TIE_MARGIN = 1e-4  # a divergence below this top-2 logit margin is numerics, not a bug (fp32 backends)
 EXACT_MATCH_MIN = 0.95  # at least this share of prompts identical
 
@@ -118,5 +120,4 @@ TF_PREFIX_TOKENS = 1 << 13  # the prompt prefills one check keeps for its teache
 
 def prefix_cache():
     """A cache of prompt prefills for teacher_forced_logits (one per model and layer count)."""
-    from ..engine import PromptCache
     return PromptCache(max_tokens=TF_PREFIX_TOKENS)
