@@ -76,3 +76,20 @@ def test_ggml_refuses_non_gguf_specs(tmp_path, monkeypatch):
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     with pytest.raises(ModelNotFoundError, match="runs GGUF files"):
         resolve_gguf(str(tmp_path))
+
+
+def test_amx_builds_are_detected_from_llama_cpps_system_info():
+    # the AMX buffer type of the pinned llama.cpp crashes on passes of more than one token; the
+    # backend then loads without extra buffer types (runtime.amx_compiled decides)
+    from verispec.models.ggml.runtime import amx_compiled
+
+    class FakeBindings:
+        def __init__(self, info):
+            self.info = info
+
+        def llama_print_system_info(self):
+            return self.info
+
+    assert amx_compiled(FakeBindings(b"CPU : SSE3 = 1 | AVX512 = 1 | AMX_INT8 = 1 | OPENMP = 1 |"))
+    assert not amx_compiled(FakeBindings(b"CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | OPENMP = 1 |"))
+    assert not amx_compiled(FakeBindings(None))

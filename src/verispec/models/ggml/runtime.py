@@ -22,6 +22,7 @@ bitwise a fresh single-row decode, whatever the batch.
 from __future__ import annotations
 
 import ctypes
+import logging
 import weakref
 from pathlib import Path
 
@@ -31,6 +32,8 @@ import torch
 from ..cache import CacheFullError, RowPool
 from ..config import ModelConfig, UnsupportedModelError
 from .lib import LLAMA_CPP_PYTHON_VERSION, bindings, note_first_decode
+
+log = logging.getLogger("verispec")
 
 
 class UnsupportedFeatureError(UnsupportedModelError):
@@ -78,6 +81,16 @@ def _require_untiled(path: Path) -> None:
             "environment, or load the batch-invariant model first")
 
 
+def amx_compiled(ll) -> bool:
+    """Whether the loaded llama.cpp was built with its AMX buffer type (a native build on a CPU
+    with AMX-INT8: Sapphire Rapids and later). That buffer type repacks Q4_K weights and, in the
+    pinned release, crashes the process in ggml_backend_amx_mul_mat on the first pass of more
+    than one token (llama.cpp issue 20824; measured here: llama-server at start-up and
+    llama-bench -p 8 end in SIGSEGV). scripts/build_llama_cpp.sh builds without it; a library
+    that pip built may have it."""
+    return b"AMX_INT8 = 1" in (ll.llama_print_system_info() or b"")
+
+
 def _int_from_meta(meta: dict, key: str, default=None):
     v = meta.get(key)
     return default if v is None else int(float(v))
@@ -106,7 +119,15 @@ class GgmlModel:
             _require_untiled(self.path)
         params = ll.llama_model_default_params()
         params.n_gpu_layers = 0
-        params.use_extra_bufts = not batch_invariant  # no repacked weights (llama.cpp's --no-repack)
+        # no repacked weights (llama.cpp's --no-repack) in the batch-invariant mode, and none
+        # where the extra buffer types include the AMX one, which crashes (amx_compiled)
+        params.use_extra_bufts = not batch_invariant
+        if params.use_extra_bufts and amx_compiled(ll):
+            params.use_extra_bufts = False
+            log.warning("llama.cpp was built with its AMX buffer type, which crashes on passes of more "
+                        "than one token (llama.cpp issue 20824): loading %s without repacked weights "
+                        "(slower). bash scripts/build_llama_cpp.sh builds llama.cpp without AMX.",
+                        self.path.name)
         model = ll.llama_model_load_from_file(str(self.path).encode(), params)
         if not model:
             raise UnsupportedModelError(f"llama.cpp could not load {self.path} (not a GGUF model it "
