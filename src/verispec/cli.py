@@ -289,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .omp import spin_for_ggml, wants_ggml
+    if wants_ggml(sys.argv[1:] if argv is None else list(argv)):
+        spin_for_ggml()  # before build_parser() loads torch (omp.py says why)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
