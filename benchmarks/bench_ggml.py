@@ -32,7 +32,11 @@ import threading
 import time
 from pathlib import Path
 
-import torch
+from verispec.omp import spin_for_ggml
+
+spin_for_ggml()  # before torch loads libgomp: llama.cpp's threads spin between decodes (omp.py)
+
+import torch  # noqa: E402
 from common import suite_prompts
 
 from verispec.engine import Engine, EngineConfig, GenerationParams, Request
