@@ -82,3 +82,17 @@ def test_each_check_says_how_many_drafts_it_verified(report):
     dist = next(c for c in report["checks"] if c["name"] == "distribution")
     assert f"| {counts['distribution']} |" in md and counts["distribution"] == len(dist["details"]["calibration_a"])
     assert "<th>drafts verified</th>" in render_html(report)
+
+
+def test_a_noisy_backends_null_run_report_renders(report, tmp_path):
+    """On a backend whose numerics move with batching (ggml), equivalence is tested against the
+    backend's own null run and has no fixed exact-match bar (threshold None): the HTML report
+    crashed in its equivalence plot after an 18-minute audit of the Qwen pair on ggml."""
+    noisy = json.loads(json.dumps(report))
+    eq = next(c for c in noisy["checks"] if c["name"] == "equivalence")
+    eq["figures"].update(exact_match_threshold=None, near_tie_allowance=None,
+                         null_run={"batch": 16, "prompts": 16, "differ": 2, "margins": [0.01, 0.14],
+                                   "beyond_noise": 0, "tie_margin": 1.06, "alpha": 0.01})
+    paths = write_reports(noisy, tmp_path)
+    page = paths["html"].read_text()
+    assert page.count("data:image/png;base64,") == len(PLOTS)
