@@ -39,6 +39,9 @@ class OracleDrafter:
         for r, t in zip(rows, tokens):
             self.prompt_len[r] = t
 
+    def prepare(self, rows, tokens):
+        pass
+
     def propose(self, rows, tokens, k, sampling, generators):
         K = max(k)
         out = torch.zeros(len(rows), K, dtype=torch.long)

@@ -4,6 +4,10 @@ Drafter protocol (all row arguments are KV-cache rows of the engine's target cac
 
     name: str
     admit(rows, tokens)                 new requests joined on these rows
+    prepare(rows, tokens)               these rows draft in this step, for the first time or
+        again: work a drafter deferred until a row drafts (the draft model's prefill) is
+        done here, and the engine counts it as prefill, not as drafting. A row the policy
+        never lets draft costs such a drafter nothing.
     propose(rows, tokens, k, sampling, generators[, halt])
         -> draft_tokens [B,K] long, draft_probs [B,K,V] | None, num_drafts [B] long
         tokens[b] is the row's whole sequence so far; its last token is the pending
@@ -33,6 +37,8 @@ class Drafter(Protocol):
     name: str
 
     def admit(self, rows: list[int], tokens: list[list[int]]) -> None: ...
+
+    def prepare(self, rows: list[int], tokens: list[list[int]]) -> None: ...
 
     def propose(self, rows: list[int], tokens: list[list[int]], k: list[int],
                 sampling: list[SamplingParams], generators: list

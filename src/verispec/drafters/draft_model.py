@@ -1,10 +1,12 @@
 """A second, smaller model with the same tokenizer drafts autoregressively.
 
-It keeps its own KV cache, rows aligned with the target's, prefilled on admission. Its
-cache may lag the sequence: every proposal first feeds the tokens the draft has not
-seen yet (the pending token, plus the last draft token after a step that accepted every
-draft and added a bonus token: the "catch-up"; or every token since a row last
-drafted, when the policy let it rest), then drafts one token per forward pass.
+It keeps its own KV cache, rows aligned with the target's, prefilled when a row first
+drafts (prepare(), not on admission: a row the policy never lets draft, where the draft
+model cannot pay, costs no draft prefill). Its cache may lag the sequence: every proposal
+first feeds the tokens the draft has not seen yet (the pending token, plus the last draft
+token after a step that accepted every draft and added a bonus token: the "catch-up"; or
+every token since a row last drafted, when the policy let it rest), then drafts one token
+per forward pass.
 """
 
 from __future__ import annotations
@@ -46,13 +48,19 @@ class DraftModelDrafter:
         self.prompt_cache = None  # engine.prompt_cache.PromptCache: prefills to reuse
 
     def admit(self, rows, tokens):
-        """Prefill the draft cache with each prompt but its pending (last) token, as the
-        engine does for the target: the first proposal then feeds one token, and the
-        draft's prefill is timed (and batched) as prefill, not as a drafting step."""
+        """Take the rows, empty: their prefill waits until they draft (prepare())."""
         for r in rows:
             self.cache.in_use[r] = True
             self.cache.lengths[r] = 0
-        prefill(self.model, self.cache, list(rows), [t[:-1] for t in tokens], self.prompt_cache)
+
+    def prepare(self, rows, tokens):
+        """Prefill the rows whose draft cache is still empty with their sequence but its
+        pending (last) token, as the engine does for the target, batched and through the
+        prompt cache: the proposal then feeds one token, and the engine times this as
+        prefill, not as a drafting step. Rows already prefilled are left to the catch-up."""
+        fresh = [(r, t) for r, t in zip(rows, tokens) if int(self.cache.lengths[r]) == 0 and len(t) > 1]
+        if fresh:
+            prefill(self.model, self.cache, [r for r, _ in fresh], [t[:-1] for _, t in fresh], self.prompt_cache)
 
     def propose(self, rows, tokens, k, sampling, generators, halt=None):
         B, K = len(rows), max(k, default=0)

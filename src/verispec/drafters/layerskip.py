@@ -34,6 +34,9 @@ class LayerSkipDrafter:
     def admit(self, rows, tokens):
         pass
 
+    def prepare(self, rows, tokens):
+        pass
+
     def propose(self, rows, tokens, k, sampling, generators, halt=None):
         B, K = len(rows), max(k, default=0)
         V = self.target.config.vocab_size

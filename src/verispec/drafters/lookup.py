@@ -31,6 +31,9 @@ class PromptLookupDrafter:
     def admit(self, rows, tokens):
         pass
 
+    def prepare(self, rows, tokens):
+        pass
+
     def propose(self, rows, tokens, k, sampling, generators):
         K = max(k, default=0)
         out = torch.zeros(len(rows), K, dtype=torch.long)  # [B,K]
