@@ -60,25 +60,26 @@ def _run(target, draft, policy, max_batch=4):
     return reqs, eng
 
 
+def _plain_outputs(target):
+    ref = [Request(p, GenerationParams(max_new_tokens=20, ignore_eos=True)) for p in _prompts()]
+    Engine(target, None, FixedK(0), EngineConfig(max_batch=4, max_len=80)).run(ref)
+    return [r.output_ids for r in ref]
+
+
 def test_a_row_that_never_drafts_costs_the_draft_model_nothing():
     target, draft = _models()
     reqs, eng = _run(target, draft, FixedK(0))
     assert draft.fed == 0
-    plain = Engine(target, None, FixedK(0), EngineConfig(max_batch=4, max_len=80))
-    ref = [Request(p, GenerationParams(max_new_tokens=20, ignore_eos=True)) for p in _prompts()]
-    plain.run(ref)
-    assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
+    assert [r.output_ids for r in reqs] == _plain_outputs(target)
 
 
 def test_first_drafting_step_prefills_as_prefill_and_output_is_exact():
     target, draft = _models()
-    plain = Engine(target, None, FixedK(0), EngineConfig(max_batch=4, max_len=80))
-    ref = [Request(p, GenerationParams(max_new_tokens=20, ignore_eos=True)) for p in _prompts()]
-    plain.run(ref)
+    ref = _plain_outputs(target)
     for policy in (FixedK(3), DraftLater(rest=5, k=3)):
         draft.fed = 0
         reqs, eng = _run(target, draft, policy, max_batch=2)  # rows join as others leave
-        assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
+        assert [r.output_ids for r in reqs] == ref
         assert sum(r.stats.drafted for r in reqs) > 0
         # the draft saw each sequence once (prefill up to its first drafting step, then a
         # catch-up and its own drafts), never a prompt twice

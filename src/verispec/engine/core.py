@@ -227,8 +227,8 @@ class Engine:
         prep_s = 0.0
         if K > 0:
             tp = time.perf_counter()
-            self.drafter.prepare([rows[b] for b in range(B) if k[b] > 0],
-                                 [reqs[b].tokens for b in range(B) if k[b] > 0])
+            drafting = [b for b in range(B) if k[b] > 0]
+            self.drafter.prepare([rows[b] for b in drafting], [reqs[b].tokens for b in drafting])
             prep_s = time.perf_counter() - tp
             self.times.prefill_s += prep_s
         t1 = time.perf_counter()
