@@ -52,6 +52,21 @@ class NanForBad:
         return out
 
 
+class OneLogitForBad(NanForBad):
+    """One logit of the failing request's first verified position is set to `value` (the
+    engine's finiteness check must see a single bad entry among the vocabulary's)."""
+
+    value = float("inf")
+
+    def forward(self, x, cache, rows, num_new=None, **kw):
+        bad = _bad_rows(cache, rows, x, num_new, self.prefill)
+        out = self.model.forward(x, cache, rows, num_new, **kw)
+        if bad.any():
+            out = out.clone()
+            out[bad, 0, 7] = self.value  # a verify pass: [B, K+1, V]
+        return out
+
+
 class RaisingForBad(NanForBad):
     def forward(self, x, cache, rows, num_new=None, **kw):
         if bool(_bad_rows(cache, rows, x, num_new, self.prefill).any()):
@@ -81,11 +96,14 @@ def _reference(target, temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("fault", ["nan-logits", "forward-raises", "drafter-raises", "prefill-raises"])
+@pytest.mark.parametrize("fault", ["nan-logits", "one-inf-logit", "one-neg-inf-logit", "one-nan-logit",
+                                   "forward-raises", "drafter-raises", "prefill-raises"])
 def test_one_failing_row_fails_alone(target, fault, temperature):
     ref = _reference(target, temperature)
+    one = {"one-inf-logit": float("inf"), "one-neg-inf-logit": float("-inf"), "one-nan-logit": float("nan")}
     model = {"nan-logits": NanForBad, "forward-raises": RaisingForBad,
-             "drafter-raises": lambda m: m, "prefill-raises": RaisingPrefill}[fault](target)
+             "drafter-raises": lambda m: m, "prefill-raises": RaisingPrefill,
+             **{f: type("One", (OneLogitForBad,), {"value": v}) for f, v in one.items()}}[fault](target)
     drafter = PoisonedLookup(2) if fault == "drafter-raises" else PromptLookupDrafter(2)
     eng = Engine(model, drafter, FixedK(3), EngineConfig(max_batch=4, max_len=128))
     reqs = _reqs(PROMPTS, temperature)

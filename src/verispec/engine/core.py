@@ -263,10 +263,15 @@ class Engine:
         out = torch.full((B, K + 1), -1, dtype=torch.long)  # [B,K+1]
         n_acc = torch.zeros(B, dtype=torch.long)  # [B]
         used = torch.arange(K + 1) <= num[:, None]  # [B,K+1] positions a row verifies
-        finite = (torch.isfinite(logits).all(-1) | ~used).all(-1).tolist()  # sync: [B] flags
+        # a sum over the vocabulary is finite only if every logit is (NaN and inf propagate;
+        # finite logits would have to exceed ~1e33 to overflow it): ~15x cheaper than
+        # isfinite().all() over [B, K+1, 152k]
+        finite = (logits.sum(-1).isfinite() | ~used).all(-1).tolist()  # sync: [B] flags
         failed = {b: "the model's logits are not finite" for b in range(B) if not finite[b]}
         greedy = [b for b, r in enumerate(reqs) if r.params.sampling.greedy and b not in failed]
-        if greedy:
+        if len(greedy) == B:  # every row greedy: no copy of the logits
+            out, n_acc = verify("greedy", logits, None, drafts, num, None)
+        elif greedy:
             gi = torch.tensor(greedy)
             o, a = verify("greedy", logits[gi], None, drafts[gi], num[gi], None)
             out[gi], n_acc[gi] = o, a

@@ -216,13 +216,23 @@ class GgmlModel:
         pos = np.asarray(start, dtype=np.int64)[b_idx] + t_idx
         seq = np.asarray(rows_l, dtype=np.int64)[b_idx]
         want = (t_idx == np.asarray(n_l)[b_idx] - 1) if last_only else np.ones(len(b_idx), bool)
-        out = torch.zeros((B, V) if last_only else (B, T, V), dtype=torch.float32)
+        # without padding (every row feeds T tokens, or last_only with each row feeding one
+        # or more) llama.cpp's outputs fill `out` in order: copied as blocks into an empty
+        # tensor, with no zero fill and no scatter
+        dense = all(n > 0 for n in n_l) if last_only else all(n == T for n in n_l)
+        shape = (B, V) if last_only else (B, T, V)
+        out = torch.empty(shape, dtype=torch.float32) if dense else torch.zeros(shape, dtype=torch.float32)
+        flat, done = out.view(-1, V), 0
         cache._sync_threads()
         for lo, hi in cache._spans(len(b_idx)):
             n_out = cache._decode(tok[lo:hi], pos[lo:hi], seq[lo:hi], want[lo:hi])
             if n_out:
                 ptr = self._ll.llama_get_logits(cache.ctx)
                 got = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_out, V)))  # [n_out,V] view
+                if dense:
+                    flat[done:done + n_out] = got
+                    done += n_out
+                    continue
                 sel = np.nonzero(want[lo:hi])[0] + lo
                 if last_only:
                     out[torch.from_numpy(b_idx[sel])] = got
