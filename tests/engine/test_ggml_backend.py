@@ -59,48 +59,6 @@ def test_ragged_batch_after_rollbacks_equals_fresh_single_row(smol, noise):
     assert max(diffs) <= noise["logit"] + 1e-5, (diffs, noise)
 
 
-def test_a_long_prompt_row_does_not_depend_on_its_batch(smol, noise):
-    """A row that feeds more than 63 tokens (a prompt) is decoded in passes of its own, cut
-    from its first token: its logits beside short and long rows, dense or padded, equal a
-    fresh single-row decode of it within the measured noise, and the short rows' equal
-    theirs; the passes llama_decode saw never mix a long row with another."""
-    from verispec.models.ggml.runtime import MAX_UBATCH_TOKENS
-    m = smol.model
-    V = m.config.vocab_size
-    g = torch.Generator().manual_seed(5)
-    lens = [30, 150, 12, 70, 64]
-    seqs = [torch.randint(0, V, (n,), generator=g).tolist() for n in lens]
-
-    def fresh(s):
-        c = m.new_cache(1, len(s) + 1)
-        return m.forward(torch.tensor([s]), c, c.alloc())[0]
-    refs = [fresh(s) for s in seqs]
-    cache = m.new_cache(len(lens) + 1, max(lens) + 1)
-    rows = cache.alloc(len(lens) + 1)[1:]
-    x = torch.zeros(len(lens), max(lens), dtype=torch.long)
-    for b, s in enumerate(seqs):
-        x[b, :len(s)] = torch.tensor(s)
-    seen = []
-    inner = m._ll.llama_decode
-
-    def spy(ctx, batch):
-        seen.append(sorted({int(batch.seq_id[i][0]) for i in range(batch.n_tokens)}) + [batch.n_tokens])
-        return inner(ctx, batch)
-    m._ll.llama_decode = spy
-    try:
-        out = m.forward(x, cache, rows, lens)  # [B,T,V]
-    finally:
-        m._ll.llama_decode = inner
-    diffs = [float((out[b, :n] - refs[b]).abs().max()) for b, n in enumerate(lens)]
-    print(f"long/short rows in one forward vs fresh: {max(diffs):.3g} (noise {noise['logit']:.3g}); passes {seen}")
-    assert max(diffs) <= noise["logit"] + 1e-5, diffs
-    for *seqs_in, n in seen:
-        long_rows = [r for r in seqs_in if lens[rows.index(r)] > MAX_UBATCH_TOKENS]
-        assert n <= MAX_UBATCH_TOKENS or len(seqs_in) == 1, seen  # wide passes hold one row
-        assert not long_rows or seqs_in == long_rows, seen  # a long row never shares a pass
-    assert [len(v) for v in seen] and all(n for *_, n in seen)
-
-
 def test_padding_positions_are_zeros(smol):
     m = smol.model
     cache = m.new_cache(3, 16)

@@ -32,7 +32,7 @@ def _diff(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
     return float((ref - got).abs().max()), float((gap_ref - gap_got).abs().max())
 
 
-def batching_noise(model, seeds=(0, 1), context: int = 264, tail: int = 12, long: int = 100) -> dict[str, float]:
+def batching_noise(model, seeds=(0, 1), context: int = 264, tail: int = 12) -> dict[str, float]:
     """{"logit": the largest logit difference, "margin": the largest change of the top-2
     gap}, over a few random rows, between a fresh single-row one-pass decode of the row and:
 
@@ -43,11 +43,7 @@ def batching_noise(model, seeds=(0, 1), context: int = 264, tail: int = 12, long
     (b) the same row decoded beside another row that leaves the batch, so that its later
         tokens are stored in the cells the other freed, before its earlier ones (an
         attention that sums in storage order then sums in another order; continuous
-        batching does this to every row);
-    (c) the row's first `long` tokens fed as one prompt after another row's prompt (of
-        two lengths), so that they sit in other cache cells (on ggml a feed of more than 63 tokens is a
-        pass of its own on llama.cpp's tiled attention kernel, whose tiles follow the
-        cells).
+        batching does this to every row).
 
     No rollback is involved: a difference the engine shows beyond this bound is not noise.
     A batch-invariant backend measures 0. A greedy divergence at a reference top-2 margin
@@ -75,11 +71,6 @@ def batching_noise(model, seeds=(0, 1), context: int = 264, tail: int = 12, long
         cache.free([b])
         late = model.forward(torch.tensor([seq[20:60]]), cache, [a])[0]
         note(one[20:60], late)
-        for shift in (len(other), 13):  # two cell offsets
-            cache = model.new_cache(2, long + 1)
-            a, b = cache.alloc(2)
-            model.forward(torch.tensor([other[:shift]]), cache, [b])
-            note(one[:long], model.forward(torch.tensor([seq[:long]]), cache, [a])[0])
     return worst
 
 

@@ -75,10 +75,10 @@ class GgmlOrderedCache(GgmlCache):
         p.flash_attn_type = self._ll.LLAMA_FLASH_ATTN_TYPE_ENABLED  # its one-chunk kernel (docstring)
 
     # -- feeding ------------------------------------------------------------------
-    def _spans(self, n_l: list[int]) -> list[tuple[int, int]]:
-        """Pieces of at most MAX_UBATCH_TOKENS tokens of the whole feed, none of exactly one
-        unless the feed is one token (which _decode pads)."""
-        w, n = MAX_UBATCH_TOKENS, sum(n_l)
+    def _spans(self, n: int) -> list[tuple[int, int]]:
+        """Pieces of at most MAX_UBATCH_TOKENS tokens, none of exactly one unless n == 1
+        (which _decode pads)."""
+        w = MAX_UBATCH_TOKENS
         cuts = list(range(0, n, w)) + [n]
         if len(cuts) > 2 and cuts[-1] - cuts[-2] == 1:
             cuts[-2] -= 1  # ... 63, 1 -> ... 62, 2

@@ -46,23 +46,14 @@ LAYER_SKIP_UNSUPPORTED = (
     "cannot self-draft. Use --draft lookup or a draft model, or --backend native")
 
 MAX_DECODE_TOKENS = 2048  # tokens per llama_decode call (n_batch); longer feeds are split
-# Tokens per graph evaluation. llama.cpp's CPU flash attention takes a tiled f32 kernel for
-# 64 or more query tokens and a one-chunk kernel (queries rounded to f16) below; a row's
-# logits then depend on how many tokens share its graph (measured on SmolLM2 Q4_1: up to
-# 1.3 in a logit). So what a row gets never depends on the other rows of its pass:
-# - rows that feed at most MAX_UBATCH_TOKENS tokens (every verify pass, every decode step,
-#   short prompts) share graphs of at most that many tokens, all on the one-chunk kernel
-#   (on SmolLM2 a row's logits then no longer depend on the other rows or on how its tokens
-#   were split into passes: tests/engine/test_ggml_backend.py);
-# - a row that feeds more (a prompt) gets llama_decode calls of its own, cut into graphs of
-#   PREFILL_UBATCH_TOKENS (n_ubatch) from its first fed token: the same cuts, and so the same
-#   kernels, whoever else is in the batch (the tiled kernel's tiles follow the cache cells
-#   the row sits in, which other rows move: models/noise.batching_noise (c) measures that),
-#   and 9-15% more prompt tokens a second on Qwen 1.5B Q4_K_M than graphs of 63 (2 threads,
-#   one 282-token prompt 93 -> 104-112 t/s, 16 chat prompts of 46-282 tokens 92-94 -> 100-103).
-#   The batch-invariant mode (ordered.py) keeps every graph at 63 tokens.
+# Tokens per graph evaluation (n_ubatch). llama.cpp's CPU flash attention takes a tiled f32
+# kernel for 64 or more query tokens and a one-chunk kernel (queries rounded to f16) below;
+# with the default of 512 a row's logits then depend on how many tokens share its decode
+# (measured on SmolLM2 Q4_1: up to 1.3 in a logit). Below 64 every pass takes the same
+# attention kernel (on SmolLM2 a row's logits then no longer depend on the other rows or on
+# how its tokens were split into passes: tests/test_ggml_backend.py). Wider passes are split by llama.cpp
+# itself; on this CPU a pass of 63 tokens is compute-bound, so the split costs little.
 MAX_UBATCH_TOKENS = 63
-PREFILL_UBATCH_TOKENS = 512
 
 
 # weight types that llama.cpp's tiled K-quant kernel takes (ggml-cpu/tiled/tiled.cpp)
@@ -198,7 +189,7 @@ class GgmlModel:
 
         Each row's tokens take positions lengths[row] + arange(num_new[b]) in its own
         sequence; padding (t >= num_new[b]) is not fed at all. One llama_decode per
-        MAX_DECODE_TOKENS tokens (a verify pass is one; see _spans). Returns logits [B,T,V] (zeros at
+        MAX_DECODE_TOKENS tokens (a verify pass is one). Returns logits [B,T,V] (zeros at
         padding), or [B,V] at each row's last valid token with last_only.
         """
         if num_layers is not None and num_layers != self.config.num_layers:
@@ -233,7 +224,7 @@ class GgmlModel:
         out = torch.empty(shape, dtype=torch.float32) if dense else torch.zeros(shape, dtype=torch.float32)
         flat, done = out.view(-1, V), 0
         cache._sync_threads()
-        for lo, hi in cache._spans(n_l):
+        for lo, hi in cache._spans(len(b_idx)):
             n_out = cache._decode(tok[lo:hi], pos[lo:hi], seq[lo:hi], want[lo:hi])
             if n_out:
                 ptr = self._ll.llama_get_logits(cache.ctx)
@@ -304,27 +295,14 @@ class GgmlCache(RowPool):
         """llama_context_params for this cache (GgmlOrderedCache changes them)."""
         p.n_ctx = max_rows * max_len  # one unified buffer: rows share its cells
         p.n_batch = min(MAX_DECODE_TOKENS, p.n_ctx)
-        p.n_ubatch = min(PREFILL_UBATCH_TOKENS, p.n_batch)
+        p.n_ubatch = min(MAX_UBATCH_TOKENS, p.n_batch)
         p.n_seq_max = max_rows
         p.kv_unified = True  # one graph for a ragged batch (split streams need equal rows)
         p.no_perf = True
 
-    def _spans(self, n_l: list[int]) -> list[tuple[int, int]]:
-        """[lo, hi) of the flat feed (rows fed n_l[b] tokens each, row after row) per
-        llama_decode call: rows of at most MAX_UBATCH_TOKENS tokens together in calls of at
-        most that many, every longer row in calls of its own (see MAX_UBATCH_TOKENS)."""
-        W, spans, lo, shared = MAX_UBATCH_TOKENS, [], 0, 0
-
-        def flush(end):
-            spans.extend((a, min(a + W, end)) for a in range(shared, end, W))
-        for n in n_l:
-            if n > W:
-                flush(lo)
-                spans.extend((a, min(a + self.n_batch, lo + n)) for a in range(lo, lo + n, self.n_batch))
-                shared = lo + n
-            lo += n
-        flush(lo)
-        return spans
+    def _spans(self, n: int) -> list[tuple[int, int]]:
+        """[lo, hi) of the flat feed per llama_decode call."""
+        return [(lo, min(lo + self.n_batch, n)) for lo in range(0, n, self.n_batch)]
 
     def close(self) -> None:
         """Free the llama.cpp context now (it is freed with the object otherwise)."""
