@@ -48,8 +48,11 @@ class NanForBad:
         out = self.model.forward(x, cache, rows, num_new, **kw)
         if bad.any():
             out = out.clone()
-            out[bad] = float("nan")
+            self.poison(out, bad)
         return out
+
+    def poison(self, out, bad):
+        out[bad] = float("nan")
 
 
 class OneLogitForBad(NanForBad):
@@ -58,13 +61,8 @@ class OneLogitForBad(NanForBad):
 
     value = float("inf")
 
-    def forward(self, x, cache, rows, num_new=None, **kw):
-        bad = _bad_rows(cache, rows, x, num_new, self.prefill)
-        out = self.model.forward(x, cache, rows, num_new, **kw)
-        if bad.any():
-            out = out.clone()
-            out[bad, 0, 7] = self.value  # a verify pass: [B, K+1, V]
-        return out
+    def poison(self, out, bad):
+        out[bad, 0, 7] = self.value  # a verify pass: [B, K+1, V]
 
 
 class RaisingForBad(NanForBad):

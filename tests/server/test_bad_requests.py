@@ -197,14 +197,16 @@ class BlockingTokenizer(CountingTokenizer):
         import threading
         self.started, self.release = threading.Event(), threading.Event()
 
-    def __call__(self, text):
+    def _hold(self):
         self.started.set()
         assert self.release.wait(30), "the test never released the tokenizer"
+
+    def __call__(self, text):
+        self._hold()
         return super().__call__(text)
 
     def apply_chat_template(self, messages, **kw):
-        self.started.set()
-        assert self.release.wait(30), "the test never released the tokenizer"
+        self._hold()
         return super().apply_chat_template(messages, **kw)
 
 
