@@ -91,6 +91,12 @@ def test_a_length_lowered_directly_is_a_rollback_and_one_raised_is_refused(smol)
     cache.lengths[row] = 6  # positions 4 and 5 were never written
     with pytest.raises(RuntimeError, match="llama_decode failed"):
         m.forward(torch.tensor([[7]]), cache, row)
+    # the failed decode left nothing behind: back at its true length the row decodes on
+    cache.lengths[row] = 4
+    got = m.forward(torch.tensor([[7, 8]]), cache, row)[0]
+    fresh = m.new_cache(1, 32)
+    ref = m.forward(torch.tensor([[1, 2, 5, 6, 7, 8]]), fresh, fresh.alloc())[0, 4:]
+    assert torch.equal(got, ref) and cache.held[row].tolist() == [6]
 
 
 def test_draft_model_rejections_on_ggml(smol, noise):

@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from tests.tiny import native_from_hf, tiny_hf
 from verispec.models import UnsupportedModelError
+from verispec.models.cache import RowPool
 from verispec.models.config import ModelConfig
 
 
@@ -113,3 +114,18 @@ def test_cache_overflow_is_clear():
     row = cache.alloc()
     with pytest.raises(Exception, match="exceeds cache length"):
         nat.forward(torch.zeros(1, 9, dtype=torch.long), cache, row)
+
+
+def test_row_pool_truncate_takes_ints_lists_tensors_and_refuses_growth():
+    pool = RowPool(3, 10)
+    rows = pool.alloc(2)
+    pool.lengths[rows] = torch.tensor([5, 7])
+    pool.truncate(rows, 6 - 1)  # one length for every row (row 0 keeps its 5)
+    assert pool.lengths[rows].tolist() == [5, 5]
+    pool.truncate(torch.tensor([rows[1]]), torch.tensor([2]))
+    pool.truncate(rows[0], [3])
+    assert pool.lengths[rows].tolist() == [3, 2]
+    for bad, match in (([4, 1], "only shorten"), ([-1, 0], "only shorten"), ([1, 1, 1], "one length per row")):
+        with pytest.raises(ValueError, match=match):
+            pool.truncate(rows, bad)
+    assert pool.lengths[rows].tolist() == [3, 2]  # a refused truncate changes nothing

@@ -19,6 +19,7 @@ from verispec.verify import (
     sample_from_probs,
     verify,
 )
+from verispec.verify.rules import argmax_last
 
 
 def gen(seed: int) -> torch.Generator:
@@ -80,6 +81,36 @@ def test_greedy_zero_width_draft():
     out, n = verify("greedy", target, None, torch.zeros(2, 0, dtype=torch.long),
                     torch.zeros(2, dtype=torch.long), None)
     assert out.tolist() == [[3], [1]] and n.tolist() == [0, 0]
+
+
+def test_greedy_zero_width_draft_refuses_a_draft_count():
+    """K = 0 takes a short path; it still refuses a row that claims drafts."""
+    target = target_from_argmax([[3], [1]], V=4)
+    with pytest.raises(ValueError, match="num_drafts"):
+        verify("greedy", target, None, torch.zeros(2, 0, dtype=torch.long), torch.tensor([0, 1]), None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(1, 4), K1=st.integers(1, 4), V=st.integers(1, 40), levels=st.integers(1, 4),
+       seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+       transpose=st.booleans())
+def test_argmax_last_is_torch_argmax_ties_included(B, K1, V, levels, seed, dtype, transpose):
+    """argmax_last (numpy on contiguous float32) picks torch.argmax's index: the lowest id
+    among ties; few distinct values make ties common."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (B, K1, V), generator=g).to(dtype)
+    if transpose:  # a non-contiguous view takes torch's own path
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    got = argmax_last(x)
+    assert got.dtype == torch.long and got.shape == (B, K1)
+    assert torch.equal(got, x.argmax(-1))
+
+
+def test_argmax_last_on_a_152k_vocabulary_with_a_tie():
+    x = torch.zeros(2, 151936)
+    x[0, 70000] = x[0, 90000] = 5.0  # tie: the lower id
+    x[1, -1] = 1.0
+    assert argmax_last(x).tolist() == [70000, 151935]
 
 
 def test_result_is_named_tuple():

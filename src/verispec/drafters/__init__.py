@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 
 from ..sampling import SamplingParams, logits_to_probs, sample_token
+from ..verify.rules import argmax_last
 
 
 class Drafter(Protocol):
@@ -61,7 +62,7 @@ def draft_from_logits(logits: torch.Tensor, active: list[int], i: int, tokens, s
     `transform(q) -> q'` replaces a sampled row's q before the draw (the audit's probe
     drafter: audit/probe.py); q' is what is drawn from and what the rule reads.
     """
-    best = logits.argmax(-1).tolist()  # sync: one per draft position for the whole batch
+    best = argmax_last(logits).tolist()  # sync: one per draft position for the whole batch
     conf = None
     if confidence:  # p(argmax) = exp(max - logsumexp), every row at once
         lf = logits.float()

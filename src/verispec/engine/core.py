@@ -254,24 +254,26 @@ class Engine:
         K = int(num.max())
         drafts = drafts[:, :K]
         q = None if q is None else q[:, :K]
-        x = torch.cat([self._pending_tokens(reqs), drafts], dim=1)  # [B,K+1]
-        logits = self.target.forward(x, self.cache, rows, (num + 1).tolist())  # [B,K+1,V]
+        pending = self._pending_tokens(reqs)  # [B,1]
+        x = torch.cat([pending, drafts], dim=1) if K else pending  # [B,K+1]
+        num_l = num.tolist()
+        logits = self.target.forward(x, self.cache, rows, [n + 1 for n in num_l])  # [B,K+1,V]
         t3 = time.perf_counter()
         # 4. accept per row: greedy rows together, sampled rows each with its own random
         #    source (noise keyed on (seed, position) for seeded rows, else a generator).
         #    A row whose logits or probabilities are not finite fails alone.
-        out = torch.full((B, K + 1), -1, dtype=torch.long)  # [B,K+1]
-        n_acc = torch.zeros(B, dtype=torch.long)  # [B]
-        used = torch.arange(K + 1) <= num[:, None]  # [B,K+1] positions a row verifies
         # a sum over the vocabulary is finite only if every logit is (NaN and inf propagate;
         # finite logits would have to exceed ~1e33 to overflow it): ~15x cheaper than
-        # isfinite().all() over [B, K+1, 152k]
-        finite = (logits.sum(-1).isfinite() | ~used).all(-1).tolist()  # sync: [B] flags
-        failed = {b: "the model's logits are not finite" for b in range(B) if not finite[b]}
+        # isfinite().all() over [B, K+1, 152k]; a row is checked at the positions it verifies
+        finite = logits.sum(-1).isfinite().tolist()  # sync: [B][K+1] flags
+        failed = {b: "the model's logits are not finite" for b in range(B) if not all(finite[b][:num_l[b] + 1])}
         greedy = [b for b, r in enumerate(reqs) if r.params.sampling.greedy and b not in failed]
         if len(greedy) == B:  # every row greedy: no copy of the logits
             out, n_acc = verify("greedy", logits, None, drafts, num, None)
-        elif greedy:
+        else:
+            out = torch.full((B, K + 1), -1, dtype=torch.long)  # [B,K+1]
+            n_acc = torch.zeros(B, dtype=torch.long)  # [B]
+        if greedy and len(greedy) < B:
             gi = torch.tensor(greedy)
             o, a = verify("greedy", logits[gi], None, drafts[gi], num[gi], None)
             out[gi], n_acc[gi] = o, a
@@ -290,7 +292,7 @@ class Engine:
             out[b], n_acc[b] = o[0], a[0]
         # 5. commit: append emitted tokens, apply stops, roll caches back to each row's length
         out_l, acc_l = out.tolist(), n_acc.tolist()  # sync: one transfer for the whole batch
-        num_l, drafts_l = num.tolist(), drafts.tolist()
+        drafts_l = drafts.tolist()
         # q of each draft token, for the audit's calibration test (rows verified by rejection)
         qd_l = None if q is None else q.gather(-1, drafts[..., None]).squeeze(-1).tolist()  # [B,K]
         committed, finished, n_out = [], [], 0
@@ -333,7 +335,7 @@ class Engine:
         self.times.verify_forward_s += t3 - t2
         self.times.other_s += (t1 - t0 - prep_s) + (t4 - t3)
         self.times.steps += 1
-        self.times.per_step.append((B, int(num.sum()), n_out, t4 - t0 - prep_s))  # prefill left out
+        self.times.per_step.append((B, sum(num_l), n_out, t4 - t0 - prep_s))  # prefill left out
         return [r for r, _ in finished]
 
     def rule_for(self, r: Request) -> str:

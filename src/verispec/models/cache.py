@@ -14,6 +14,13 @@ from __future__ import annotations
 import torch
 
 
+def as_int_list(x) -> list[int]:
+    """Row ids or lengths as a list of ints: from an int, a list, a tuple or a tensor."""
+    if isinstance(x, (list, tuple)):
+        return [int(v) for v in x]
+    return [int(v) for v in torch.as_tensor(x).reshape(-1).tolist()]
+
+
 class CacheFullError(RuntimeError):
     """No free row, or a write past a row's capacity."""
 
@@ -58,12 +65,16 @@ class RowPool:
     def truncate(self, rows, new_lengths) -> None:
         """Roll rows back to new_lengths (<= current). A length change (and the backend's
         _release); nothing is copied."""
-        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
-        new_lengths = torch.as_tensor(new_lengths, dtype=torch.long).expand(rows.shape)
-        if bool((new_lengths > self.lengths[rows]).any()) or bool((new_lengths < 0).any()):
+        rows, new = as_int_list(rows), as_int_list(new_lengths)
+        if len(new) == 1:  # one length for every row
+            new = new * len(rows)
+        if len(new) != len(rows):
+            raise ValueError(f"truncate needs one length per row ({len(rows)} rows, {len(new)} lengths)")
+        lengths = self.lengths.numpy()  # [R] a view; plain ints below: this runs every engine step
+        if any(n < 0 or n > lengths[r] for r, n in zip(rows, new)):
             raise ValueError("truncate can only shorten a row")
-        self._release(rows.tolist(), new_lengths.tolist())
-        self.lengths[rows] = new_lengths
+        self._release(rows, new)
+        lengths[rows] = new
 
 
 class KVCache(RowPool):

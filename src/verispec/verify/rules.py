@@ -43,6 +43,7 @@ __all__ = [
     "greedy",
     "typical_lossy",
     "sample_from_probs",
+    "argmax_last",
 ]
 
 # Residual mass (= probability of rejection when p and q are normalised) at or below
@@ -53,6 +54,16 @@ RESIDUAL_EPS = 1e-6
 class VerifyResult(NamedTuple):
     tokens: torch.Tensor  # [B, K+1] long: accepted tokens, recovered/bonus token, then -1
     num_accepted: torch.Tensor  # [B] long: accepted draft tokens per row
+
+
+def argmax_last(x: torch.Tensor) -> torch.Tensor:  # [..., V] -> [...] long
+    """The index of the largest entry along the last dimension; ties go to the lowest index
+    (as ``torch.argmax``). A contiguous float32 CPU tensor goes through numpy, whose argmax
+    scans a 152k vocabulary ~10x faster than torch's reduction on this path (98 vs 10 us,
+    batch 1); elsewhere ``max(dim).indices``, which returns the same first index."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.dim() >= 1:
+        return torch.from_numpy(x.detach().numpy().argmax(-1).astype("int64", copy=False))
+    return x.max(dim=-1).indices
 
 
 def sample_from_probs(
@@ -95,6 +106,10 @@ def _check_inputs(
         raise ValueError(
             f"draft_probs must be [B, K, V] = {(B, K, V)} or None, got {tuple(draft_probs.shape)}"
         )
+    if K == 0:  # no draft position: every count must be 0, and there is no token to check
+        if bool(num_drafts.any()):
+            raise ValueError(f"num_drafts must lie in [0, K] = [0, 0], got {num_drafts.tolist()}")
+        return torch.zeros(B, 0, dtype=torch.bool, device=draft_tokens.device)
     valid = torch.arange(K, device=draft_tokens.device) < num_drafts[:, None]  # [B, K]
     counts_ok = ((num_drafts >= 0) & (num_drafts <= K)).all()
     tokens_ok = (((draft_tokens >= 0) & (draft_tokens < V)) | ~valid).all()
@@ -193,12 +208,13 @@ def greedy(
     """Temperature 0: accept while the draft token is the target's argmax.
 
     The recovered token (first mismatch) and the bonus token are the argmax at that
-    position. Ties go to the lowest token id (as ``torch.argmax``; ``max(dim).indices``
-    returns the same first index and runs ~2x faster over a 152k vocabulary on CPU).
+    position. Ties go to the lowest token id (as ``torch.argmax``; see ``argmax_last``).
     """
     valid = _check_inputs(target_probs, draft_probs, draft_tokens, num_drafts)  # [B, K]
     K = target_probs.shape[1] - 1
-    best = target_probs.max(dim=-1).indices  # [B, K+1]
+    best = argmax_last(target_probs)  # [B, K+1]
+    if K == 0:  # nothing to accept: the token at position 0 is the argmax (what _emit makes)
+        return VerifyResult(best, torch.zeros(best.shape[0], dtype=torch.long, device=best.device))
     accepted = valid & (draft_tokens == best[:, :K])  # [B, K]
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
     last = best.gather(1, num_accepted[:, None]).squeeze(1)  # [B] recovered or bonus

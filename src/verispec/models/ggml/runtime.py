@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cache import CacheFullError, RowPool
+from ..cache import CacheFullError, RowPool, as_int_list
 from ..config import ModelConfig, UnsupportedModelError
 from .lib import LLAMA_CPP_PYTHON_VERSION, bindings, note_first_decode
 
@@ -197,29 +197,35 @@ class GgmlModel:
         if cache.model is not self:
             raise ValueError("this cache belongs to another model")
         B, T = tokens.shape
-        rows_l = [int(r) for r in torch.as_tensor(rows, dtype=torch.long).reshape(-1).tolist()]
-        n_l = [T] * B if num_new is None else [int(n) for n in torch.as_tensor(num_new).reshape(-1).tolist()]
+        rows_l = as_int_list(rows)
+        n_l = [T] * B if num_new is None else as_int_list(num_new)
         if len(rows_l) != B or len(n_l) != B:
             raise ValueError("rows and num_new need one entry per batch row")
         if any(n < 0 or n > T for n in n_l):
             raise ValueError("num_new must lie in [0, T]")
         cache._drop_stale(rows_l)  # rows whose length was lowered directly (a rollback)
-        start = cache.lengths[rows_l].tolist()  # [B] CPU
-        end = max((s + n for s, n in zip(start, n_l)), default=0)
-        if end > cache.max_len:
-            raise CacheFullError(f"write to position {end} exceeds cache length {cache.max_len}")
+        lengths = cache.lengths.numpy()  # [R] a view: the bookkeeping below is numpy, not torch ops
+        start = lengths[rows_l]  # [B]
+        stop = start + np.asarray(n_l, dtype=np.int64)  # [B] each row's length after the feed
+        if B and int(stop.max()) > cache.max_len:
+            raise CacheFullError(f"write to position {int(stop.max())} exceeds cache length {cache.max_len}")
         V = self.config.vocab_size
         # the flat feed, row after row: batch index b, time t, token, position, sequence id
-        b_idx = np.repeat(np.arange(B), n_l)  # [N]
-        t_idx = np.concatenate([np.arange(n) for n in n_l]) if B else np.zeros(0, np.int64)  # [N]
-        tok = tokens.numpy()[b_idx, t_idx]
-        pos = np.asarray(start, dtype=np.int64)[b_idx] + t_idx
+        full = all(n == T for n in n_l)
+        if full:  # every row feeds T tokens (every decode step, most verify passes)
+            b_idx, t_idx = np.repeat(np.arange(B), T), np.tile(np.arange(T), B)  # [N]
+            tok = tokens.numpy().reshape(-1)
+        else:
+            b_idx = np.repeat(np.arange(B), n_l)  # [N]
+            t_idx = np.concatenate([np.arange(n) for n in n_l]) if B else np.zeros(0, np.int64)  # [N]
+            tok = tokens.numpy()[b_idx, t_idx]
+        pos = start[b_idx] + t_idx
         seq = np.asarray(rows_l, dtype=np.int64)[b_idx]
-        want = (t_idx == np.asarray(n_l)[b_idx] - 1) if last_only else np.ones(len(b_idx), bool)
+        want = (t_idx == (stop - start - 1)[b_idx]) if last_only else np.ones(len(b_idx), bool)
         # without padding (every row feeds T tokens, or last_only with each row feeding one
         # or more) llama.cpp's outputs fill `out` in order: copied as blocks into an empty
         # tensor, with no zero fill and no scatter
-        dense = all(n > 0 for n in n_l) if last_only else all(n == T for n in n_l)
+        dense = all(n > 0 for n in n_l) if last_only else full
         shape = (B, V) if last_only else (B, T, V)
         out = torch.empty(shape, dtype=torch.float32) if dense else torch.zeros(shape, dtype=torch.float32)
         flat, done = out.view(-1, V), 0
@@ -227,8 +233,7 @@ class GgmlModel:
         for lo, hi in cache._spans(len(b_idx)):
             n_out = cache._decode(tok[lo:hi], pos[lo:hi], seq[lo:hi], want[lo:hi])
             if n_out:
-                ptr = self._ll.llama_get_logits(cache.ctx)
-                got = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_out, V)))  # [n_out,V] view
+                got = cache._outputs(n_out, V)  # [n_out,V] a view of llama.cpp's logits
                 if dense:
                     flat[done:done + n_out] = got
                     done += n_out
@@ -238,8 +243,8 @@ class GgmlModel:
                     out[torch.from_numpy(b_idx[sel])] = got
                 else:
                     out[torch.from_numpy(b_idx[sel]), torch.from_numpy(t_idx[sel])] = got
-        cache.lengths[rows_l] = torch.tensor([s + n for s, n in zip(start, n_l)], dtype=torch.long)
-        cache.held[rows_l] = cache.lengths[rows_l]
+        lengths[rows_l] = stop
+        cache.held.numpy()[rows_l] = stop
         return out
 
 
@@ -290,6 +295,7 @@ class GgmlCache(RowPool):
         self._batch.n_seq_id = self._nseq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         self._batch.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ll.llama_seq_id)))
         self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._out_key, self._out_view = None, None  # _outputs' view of llama.cpp's logits
 
     def _context_params(self, p, max_rows: int, max_len: int) -> None:
         """llama_context_params for this cache (GgmlOrderedCache changes them)."""
@@ -323,6 +329,7 @@ class GgmlCache(RowPool):
         note_first_decode()
         self._tok[:N], self._pos[:N], self._seq[:N] = tok, pos, seq
         self._logits[:N] = want
+        n_out = int(np.count_nonzero(want))  # counted before the decode, while caches are warm
         self._batch.n_tokens = N
         rc = self._ll.llama_decode(self.ctx, self._batch)
         if rc == 1:
@@ -331,25 +338,40 @@ class GgmlCache(RowPool):
         if rc != 0:
             # a failed decode can leave part of the batch in llama.cpp's memory: the rows are
             # rolled back to their lengths (which did not advance) before anything else runs
-            self.truncate(sorted(set(int(s) for s in seq)),
-                          self.lengths[sorted(set(int(s) for s in seq))])
+            for r in sorted(set(int(s) for s in seq)):
+                self._ll.llama_memory_seq_rm(self.mem, r, int(self.lengths[r]), -1)
             raise RuntimeError(f"llama_decode failed (return code {rc}) for a batch of {N} tokens")
-        return int(want.sum())
+        return n_out
+
+    def _outputs(self, n_out: int, V: int) -> torch.Tensor:
+        """The last decode's logits, [n_out, V]: a view of llama.cpp's output buffer (valid until
+        the next decode). The view is made again only when the buffer moves or n_out changes."""
+        ptr = self._ll.llama_get_logits(self.ctx)
+        key = (ctypes.addressof(ptr.contents), n_out)
+        if key != self._out_key:
+            self._out_view = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_out, V)))
+            self._out_key = key
+        return self._out_view
 
     # -- rows (the bookkeeping is models/cache.RowPool's) ---------------------------
     def _release(self, rows, new_lengths) -> None:
-        """llama_memory_seq_rm of every position from the new length on (also of any that a
-        failed decode left behind)."""
+        """llama_memory_seq_rm of every position from the new length on, for the rows that hold
+        any (a failed decode removes what it left behind itself, in _decode)."""
+        held = self.held.numpy()
         for r, n in zip(rows, new_lengths):
-            if not self._ll.llama_memory_seq_rm(self.mem, int(r), int(n), -1):
+            r, n = int(r), int(n)
+            if held[r] <= n:
+                continue
+            if not self._ll.llama_memory_seq_rm(self.mem, r, n, -1):
                 raise RuntimeError(f"llama.cpp could not remove positions >= {n} of row {r}")
-            self.held[int(r)] = min(int(self.held[int(r)]), int(n))
+            held[r] = n
 
     def _drop_stale(self, rows: list[int]) -> None:
         """Remove what llama.cpp holds past each row's length (a length lowered directly)."""
-        stale = [r for r in rows if int(self.lengths[r]) < int(self.held[r])]
+        lengths, held = self.lengths.numpy(), self.held.numpy()
+        stale = [r for r in rows if lengths[r] < held[r]]
         if stale:
-            self._release(stale, self.lengths[stale].tolist())
+            self._release(stale, lengths[stale].tolist())
 
     # -- snapshots (engine/prompt_cache.py) ------------------------------------------
     def snapshot(self, row: int):
