@@ -123,3 +123,21 @@ def test_a_failure_in_a_single_row_batch_frees_the_row(target):
     assert bad.finish_reason == "error" and "RuntimeError" in bad.error
     assert good.finish_reason in ("stop", "length") and len(good.output_ids) >= 1
     assert eng.cache.rows_in_use == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_finite_positions_flags_every_non_finite_position(dtype, contiguous):
+    """The engine's finiteness check (numpy on contiguous float32, torch elsewhere) flags a
+    position exactly when one of its logits is NaN, +inf or -inf."""
+    from verispec.engine.core import finite_positions
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, 1000, generator=g, dtype=torch.float64).to(dtype) * 30
+    x[0, 1, 999] = float("nan")
+    x[1, 0, 0] = float("inf")
+    x[2, 3, 500] = -float("inf")
+    if not contiguous:
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    want = torch.isfinite(x).all(-1).tolist()
+    assert finite_positions(x) == want
+    assert sum(not f for row in want for f in row) == 3

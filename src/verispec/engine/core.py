@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from ..policy import FixedK
@@ -24,6 +25,17 @@ from .request import Request
 
 class ContextLengthError(ValueError):
     """A prompt plus max_new_tokens does not fit the engine's context."""
+
+
+def finite_positions(logits: torch.Tensor) -> list[list[bool]]:
+    """[B,K+1,V] -> [B][K+1]: whether every logit at the position is finite. A sum over the
+    vocabulary is finite only if every term is (NaN and inf propagate; finite logits would
+    have to exceed ~1e33 to overflow it): ~15x cheaper than isfinite().all() over 152k. On
+    contiguous float32 CPU logits numpy sums them: right after a decode has streamed the
+    weights through the caches, 100 us against torch's 240 us at batch 1."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        return np.isfinite(logits.detach().numpy().sum(-1)).tolist()
+    return logits.sum(-1).isfinite().tolist()
 
 
 @dataclass(frozen=True)
@@ -262,10 +274,8 @@ class Engine:
         # 4. accept per row: greedy rows together, sampled rows each with its own random
         #    source (noise keyed on (seed, position) for seeded rows, else a generator).
         #    A row whose logits or probabilities are not finite fails alone.
-        # a sum over the vocabulary is finite only if every logit is (NaN and inf propagate;
-        # finite logits would have to exceed ~1e33 to overflow it): ~15x cheaper than
-        # isfinite().all() over [B, K+1, 152k]; a row is checked at the positions it verifies
-        finite = logits.sum(-1).isfinite().tolist()  # sync: [B][K+1] flags
+        # a row is checked at the positions it verifies
+        finite = finite_positions(logits)  # sync: [B][K+1] flags
         failed = {b: "the model's logits are not finite" for b in range(B) if not all(finite[b][:num_l[b] + 1])}
         greedy = [b for b, r in enumerate(reqs) if r.params.sampling.greedy and b not in failed]
         if len(greedy) == B:  # every row greedy: no copy of the logits
