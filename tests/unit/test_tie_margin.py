@@ -114,3 +114,47 @@ def test_native_audit_figures_unchanged(models):
     eq = next(c for c in result.checks if c.name == "equivalence")
     assert eq.figures["tie_margin"] == TIE_MARGIN
     assert eq.figures["tie_margin_source"]["source"].startswith("fixed")
+
+
+def _only(noisy, models, checks, fault=None):
+    cfg = AuditConfig(target="tiny-llama", draft="tiny-draft-model", k=3, policy="fixed",
+                      batch_sizes=(1, 4, 8), sizes=TINY_SIZES, inject_fault=fault, only=checks)
+    result = run_audit(cfg, target=LoadedModel(noisy, CharTokenizer(), None),
+                       drafter_factory=tiny_drafter_factory((noisy, models[1])), prompts=tiny_suite())
+    return {c.name: c for c in result.checks}
+
+
+def test_seeded_and_stopping_on_a_noisy_backend_use_its_noise_and_still_fail_their_faults(models):
+    """On a backend that declares noisy numerics, the seeded check runs its own null run
+    (seeded plain at the largest batch size) and the stopping check sets aside requests whose
+    tokens changed at a near-tie before the cut; the faults each check exists for still fail."""
+    noisy = PassWidthNoise(models[0])
+    ok = _only(noisy, models, ("seeded", "stopping"))
+    seeded, stopping = ok["seeded"], ok["stopping"]
+    assert seeded.passed and stopping.passed, (seeded.summary, stopping.summary)
+    null = seeded.figures["null_run"]
+    assert null["batch"] == 8 and null["tie_margin"] >= tie_margin_for(noisy)["value"]
+    assert seeded.figures["near_tie_allowance"] is None
+    assert all("fisher_p_vs_null" in r for r in seeded.details["per_config"])
+    assert stopping.figures["tie_margin"] == tie_margin_for(noisy)["value"]
+    assert stopping.figures["near_ties_set_aside"] < stopping.figures["cases"]
+    bad = _only(noisy, models, ("seeded",), fault="keyed-noise-misaligned")["seeded"]
+    assert not bad.passed and bad.figures["divergences"] > 0, bad.summary
+    for fault in ("stop-only-at-run-end", "length-off-by-one"):
+        bad = _only(noisy, models, ("stopping",), fault=fault)["stopping"]
+        assert not bad.passed and bad.figures["wrong"] > 0, (fault, bad.summary)
+
+
+def test_stopping_never_sets_aside_an_end_in_the_wrong_place(models):
+    """A request that ends early or runs on (a length difference) is never a near-tie,
+    whatever the margin; only a changed token below the margin is."""
+    from verispec.audit.stopping import _near_tie_flip
+
+    class Ctx:
+        model = models[0]
+        prompt_ids = [[5, 6, 7]]
+    want = [8, 9, 10, 11]
+    assert not _near_tie_flip(Ctx, 0, want, want[:2], tie_margin=1e9)  # ended early
+    assert not _near_tie_flip(Ctx, 0, want, want + [12], tie_margin=1e9)  # ran on past the stop
+    assert _near_tie_flip(Ctx, 0, want, [8, 3, 10, 11], tie_margin=1e9)  # a changed token, any margin
+    assert not _near_tie_flip(Ctx, 0, want, [8, 3, 10, 11], tie_margin=0.0)  # no margin: never

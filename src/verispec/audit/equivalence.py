@@ -43,6 +43,9 @@ def tie_margin_for(model) -> dict:
     return dict(_MEASURED[model])
 
 
+NULL_ALPHA = 0.01  # a noisy backend's near-tie count against its null run: family-wise, over the configs
+
+
 def near_tie_allowance(n: int) -> int:
     """Non-identical outputs (all near-ties) tolerated among n prompts: misses <= floor(5% of
     n), but at least one, or 16 prompts would turn one benign numerical flip into a failure."""

@@ -30,7 +30,8 @@ from . import consistency, corruption, distribution, load, record, seeded, speed
 from .checks import CheckResult, verdict
 from .context import AuditConfig, AuditContext, DrafterFactory, GreedyRuns, encode, select_prompts
 from .endpoint.null import fisher_greater
-from .equivalence import EXACT_MATCH_MIN, compare, near_tie_allowance, reference_logits_at, tie_margin_for
+from .equivalence import (EXACT_MATCH_MIN, NULL_ALPHA, compare, near_tie_allowance, reference_logits_at,
+                          tie_margin_for)
 from .progress import NullProgress
 from .suite import SuitePrompt, load_suite
 
@@ -288,7 +289,6 @@ def equivalence_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
                        {"per_batch": per_batch, "prompts": rows})
 
 
-NULL_ALPHA = 0.01  # a noisy backend's near-tie count against its null run: family-wise, over the configs
 
 
 def null_run(ctx: AuditContext, runs: GreedyRuns, margin_fn_for, tie: dict) -> dict:

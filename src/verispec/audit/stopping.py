@@ -8,7 +8,11 @@ tokens (m below the reference's length), so it must end after m. The speculative
 runs both at the largest audited batch size, under the deployed policy and with a fixed
 k. On repetitive prompts the stop token and the m-th token land inside drafted runs; the
 check counts how often (a stop that never fell inside drafts proved little). Prompts whose
-greedy speculative output already diverged (near-ties) before the cut are left out."""
+greedy speculative output already diverged (near-ties) before the cut are left out. On a
+backend whose numerics move with batching (ggml) the rerun here can flip a near-tie before
+the cut that the greedy runs did not; a request whose tokens changed there, at a top-2 gap
+below the backend's measured noise, is set aside and reported (an end in the wrong place,
+or a change at a clear margin, still fails)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from ..engine import GenerationParams, Request
 from ..policy import FixedK
 from .checks import CheckResult
 from .context import AuditContext, GreedyRuns
-from .equivalence import first_divergence
+from .equivalence import first_divergence, reference_logits_at, tie_margin_for, top2_margin
 
 
 def _inside_drafts(r: Request) -> bool:
@@ -59,6 +63,15 @@ def _cut(out: list[int], safe: int, drafted: list[int]) -> tuple[int, int]:
     return stop, length
 
 
+def _near_tie_flip(ctx: AuditContext, i: int, want: list[int], got: list[int], tie_margin: float) -> bool:
+    """Whether got differs from want by a changed token (not a length: an early or late end
+    is never excused) where the batch-1 reference's top-2 logit gap is below tie_margin."""
+    d = first_divergence(want, got)
+    if d is None or d >= min(len(want), len(got)):
+        return False
+    return top2_margin(reference_logits_at(ctx.model, ctx.prompt_ids[i], want, d)) < tie_margin
+
+
 def stopping_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
     cfg = ctx.config
     b = max(cfg.greedy_batch_sizes)
@@ -86,14 +99,24 @@ def stopping_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
     if cfg.policy != "fixed":
         configs.append((FixedK(cfg.forced_k), f"fixed k={cfg.forced_k}"))
     max_len = max(map(len, ctx.prompt_ids)) + max(p.max_new_tokens for _, p, _, _ in cases)
-    per_config, bad = [], []
+    per_config, bad, excused = [], [], []
+    # on a backend whose numerics move with batching (ggml), this batch can flip a near-tie
+    # before the cut that the greedy runs above did not: such a request shows nothing about
+    # stops (its tokens changed before them) and is set aside, not counted wrong
+    tie = tie_margin_for(ctx.model)
+    noisy = "noise_top2_gap" in tie and not cfg.batch_invariant
     for policy, label in configs:
         reqs = [Request(ctx.prompt_ids[i], params) for i, params, _, _ in cases]
         with ctx.progress.stage(f"stopping: speculative, {label}, b={b}", len(reqs)) as bar, ctx.fault():
             ctx.engine(min(b, len(reqs)), max_len, policy=policy).run(reqs, on_finish=lambda r: bar.advance())
-        wrong = inside = limits = 0
+        wrong = inside = limits = near = 0
         for (i, params, want, reason), r in zip(cases, reqs):
             ok = r.output_ids == want and r.finish_reason == reason
+            if not ok and noisy and _near_tie_flip(ctx, i, want, r.output_ids, tie["value"]):
+                near += 1  # the output changed before the cut, at a near-tie: numerics, not a stop
+                excused.append({"policy": label, "id": ctx.prompts[i].id,
+                                "first_divergence": first_divergence(want, r.output_ids)})
+                continue
             if reason == "stop":
                 inside += _inside_drafts(r)
             else:
@@ -103,23 +126,26 @@ def stopping_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
                 bad.append({"policy": label, "id": ctx.prompts[i].id, "expected_reason": reason,
                             "got_reason": r.finish_reason, "expected_tokens": len(want),
                             "got_tokens": len(r.output_ids), "first_divergence": first_divergence(want, r.output_ids)})
-        per_config.append({"batch": b, "policy": label, "cases": len(reqs), "wrong": wrong,
+        per_config.append({"batch": b, "policy": label, "cases": len(reqs), "wrong": wrong, "near_ties": near,
                            "stops_inside_drafts": inside, "limits_in_drafted_steps": limits,
                            "drafted": sum(r.stats.drafted for r in reqs)})
     inside = sum(c["stops_inside_drafts"] for c in per_config)
     limits = sum(c["limits_in_drafted_steps"] for c in per_config)
     wrong = sum(c["wrong"] for c in per_config)
+    near = sum(c["near_ties"] for c in per_config)
     passed = wrong == 0 and inside + limits > 0
     if wrong:
-        summary = (f"{wrong} of {sum(c['cases'] for c in per_config)} cut requests end elsewhere than plain "
+        summary = (f"{wrong} of {sum(c['cases'] for c in per_config) - near} cut requests end elsewhere than plain "
                    "decoding's (a stop or length limit mishandled inside accepted drafts)")
     elif not inside + limits:
         summary = "INCONCLUSIVE: no stop fell inside an accepted run, no length limit in a drafted step"
     else:
-        summary = (f"{sum(c['cases'] for c in per_config)} requests cut by a stop token or max_new_tokens end "
+        summary = (f"{sum(c['cases'] for c in per_config) - near} requests cut by a stop token or max_new_tokens end "
                    f"exactly where plain decoding ends; {inside} stops fell inside accepted runs, "
-                   f"{limits} length limits were reached by a fully accepted run")
+                   f"{limits} length limits were reached by a fully accepted run"
+                   + (f"; {near} set aside: their tokens changed before the cut at a near-tie "
+                      f"(margin < the backend's measured noise {tie['value']:.3g})" if near else ""))
     figures = {"cases": len(cases), "batch": b, "wrong": wrong, "stops_inside_drafts": inside,
-               "limits_in_drafted_steps": limits,
+               "limits_in_drafted_steps": limits, "near_ties_set_aside": near, "tie_margin": tie["value"],
                "reference": "plain greedy decoding at batch 1, cut at a stop token or length"}
-    return CheckResult("stopping", passed, summary, figures, {"per_config": per_config, "wrong": bad[:40]})
+    return CheckResult("stopping", passed, summary, figures, {"per_config": per_config, "wrong": bad[:40], "near_ties": excused[:40]})
