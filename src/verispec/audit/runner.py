@@ -289,8 +289,6 @@ def equivalence_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
                        {"per_batch": per_batch, "prompts": rows})
 
 
-
-
 def null_run(ctx: AuditContext, runs: GreedyRuns, margin_fn_for, tie: dict) -> dict:
     """On a backend whose numerics move with batching (tie_margin_for measured them), the
     deployment's own null run: plain decoding at the largest audited batch size against the

@@ -125,14 +125,13 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
     elif drafted == 0:
         summary = "INCONCLUSIVE: no draft was verified in any seeded run"
     else:
-        differ = ", ".join(f"b{r['batch']}" + ("" if r["policy"] == cfg.policy else f" {r['policy']}")
-                           + f" {r['near-tie']}" for r in per_config)
-        summary = (f"seeded output identical to seeded plain decoding for {n} prompts at "
-                   if null is None or not any(r["near-tie"] for r in per_config) else
-                   f"seeded output equal to seeded plain decoding but for near-ties ({differ} of {n}) for {n} prompts at "
-                   + ", ".join(f"b{r['batch']}" + ("" if r["policy"] == cfg.policy else f" {r['policy']}")
-                               for r in per_config)
-                   + f" (T={temps}, {drafted} drafts verified)"
+        where = [f"b{r['batch']}" + ("" if r["policy"] == cfg.policy else f" {r['policy']}") for r in per_config]
+        if null is not None and any(r["near-tie"] for r in per_config):
+            differ = ", ".join(f"{w} {r['near-tie']}" for w, r in zip(where, per_config))
+            head = f"seeded output equal to seeded plain decoding but for near-ties ({differ} of {n})"
+        else:
+            head = "seeded output identical to seeded plain decoding"
+        summary = (f"{head} for {n} prompts at " + ", ".join(where) + f" (T={temps}, {drafted} drafts verified)"
                    + ("" if null is None else
                       f"; near-ties as often as the null run's (plain b={null['batch']}: {null['differ']}/{n} differ)"))
     figures = {"applicable": True, "temperature": cfg.temperature, "temperatures": list(cfg.temperatures),
