@@ -12,7 +12,7 @@ from fastapi import Request
 
 from tests.endpoint.test_fake_llama_cpp import _serve, fake_llama_server
 from verispec.audit.endpoint.client import EndpointConfig
-from verispec.audit.endpoint.rescore import rescored_sampled_run, supported
+from verispec.audit.endpoint.rescore import align_entries, rescored_sampled_run, supported
 from verispec.audit.endpoint.runner import EndpointError, run_endpoint_audit
 from verispec.audit.endpoint.sampled import distribution_figures, sampler_settings
 from verispec.audit.suite import SuitePrompt
@@ -36,10 +36,17 @@ def _entry(tok: int, p: np.ndarray | None) -> dict:
                              for i in order]}
 
 
-def toy_llama_server(speculative: bool, lossy: bool = False, log: list | None = None):
+def lead_byte(tok: int) -> bool:
+    """The toy's stand-in for a token that ends inside a multi-byte UTF-8 character."""
+    return tok % 9 == 4
+
+
+def toy_llama_server(speculative: bool, lossy: bool = False, log: list | None = None, utf8: bool = False):
     """fake_llama_server plus the native routes. speculative: every other emitted token comes
     without logprobs; lossy: those tokens are the argmax instead of a draw (a relaxed rule
-    that a check of the endpoint's own logprobs cannot see)."""
+    that a check of the endpoint's own logprobs cannot see); utf8: as llama-server does, no
+    completion_probabilities entry for a token that leaves the text inside a multi-byte
+    character (lead_byte), the entries then fewer than the tokens."""
     app = fake_llama_server(speculative)
     calls = {"n": 0}
 
@@ -71,6 +78,8 @@ def toy_llama_server(speculative: bool, lossy: bool = False, log: list | None = 
             probs.append(_entry(tok, None if spec_step else p))
             ids.append(tok)
         out = ids[len(prompt):]
+        if utf8:
+            probs = [e for e, t in zip(probs, out) if not lead_byte(t)]
         timings = {"prompt_n": len(prompt), "predicted_n": len(out), "predicted_ms": 1.0}
         if speculative:
             timings.update(draft_n=len(out) // 2, draft_n_accepted=len(out) // 2)
@@ -84,7 +93,9 @@ def toy_llama_server(speculative: bool, lossy: bool = False, log: list | None = 
 def servers():
     ref_log: list = []
     started = {"exact": _serve(toy_llama_server(True)), "lossy": _serve(toy_llama_server(True, lossy=True)),
-               "ref": _serve(toy_llama_server(False, log=ref_log))}
+               "ref": _serve(toy_llama_server(False, log=ref_log)),
+               "utf8": _serve(toy_llama_server(True, utf8=True)),
+               "ref_utf8": _serve(toy_llama_server(False, utf8=True))}
     yield {k: v[3] for k, v in started.items()} | {"ref_log": ref_log}
     for server, t, sock, _ in started.values():
         server.should_exit = True
@@ -92,9 +103,34 @@ def servers():
         sock.close()
 
 
-def _run(servers, which, scorer, tokens=480):
+def _run(servers, which, scorer, tokens=480, ref="ref"):
     cfg = EndpointConfig(servers[which], max_tokens=12, chat=False)
-    return rescored_sampled_run(cfg, EndpointConfig(servers["ref"]), PROMPTS, tokens, 1, scorer=scorer)
+    return rescored_sampled_run(cfg, EndpointConfig(servers[ref]), PROMPTS, tokens, 1, scorer=scorer)
+
+
+def test_align_entries_keeps_an_entry_only_where_its_place_is_certain():
+    e = [{"id": t} for t in range(10)]
+    assert align_entries([1, 2, 3, 4], [e[1], e[3], e[4]]) == [e[1], {}, e[3], e[4]]
+    assert align_entries([1, 2, 3], [e[1], e[2], e[3]]) == [e[1], e[2], e[3]]
+    assert align_entries([1, 2], [e[1]]) == [e[1], {}]  # the last token ended inside a character
+    # a dropped 7 before a listed 7: which of the two the entry belongs to is unknown
+    assert align_entries([5, 7, 7, 9], [e[7], e[9]]) == [{}, {}, {}, e[9]]
+    assert align_entries([1, 2], [e[3]]) is None and align_entries([1], [e[1], e[1]]) is None
+
+
+def test_tokens_the_server_lists_no_entry_for_are_scored_by_the_reference(servers):
+    """llama-server lists no completion_probabilities entry for a token that ends inside a
+    multi-byte character (its tokens and entries then differ in number): the answer is kept,
+    every token scored; the reference, whose own draw may be such a token, is asked again."""
+    run = _run(servers, "utf8", "auto", ref="ref_utf8")
+    f = distribution_figures(run)
+    assert f["failed_answers"] == 0 and f["unscored_tokens"] == 0
+    assert f["n"] == f["emitted_tokens"] >= 480 and f["tokens_without_logprobs"] == 0
+    results = [r for lv in run.levels for r in lv.results]
+    dropped = sum(lead_byte(t) and j % 2 == 0 for r in results for j, t in enumerate(r.token_ids))
+    assert dropped > 20  # the case happened, and
+    assert f["scorers"]["reference"] >= f["n"] // 2 + dropped  # those tokens went to the reference
+    assert f["passed"], f["reason"]
 
 
 def test_the_reference_scores_what_the_endpoint_sent_no_logprobs_for(servers):

@@ -50,6 +50,7 @@ from .counters import response_spec
 from .sampled import ENDPOINT, REFERENCE, TOP_LOGPROBS, sampled_run, sampler_settings
 
 SCORERS = ("auto", ENDPOINT, REFERENCE)
+SCORE_TRIES = 8  # draws asked of the reference for one position's top-n (score_position)
 
 
 class RescoreUnsupported(ValueError):
@@ -104,6 +105,35 @@ def _body(ids: list[int], n_predict: int, sampler: dict) -> dict:
             "post_sampling_probs": False, "return_tokens": True, "stream": False, "cache_prompt": True}
 
 
+def align_entries(tokens: list[int], entries: list[dict]) -> list[dict] | None:
+    """completion_probabilities aligned to the emitted token ids: one entry per token, {} for a
+    token the server listed no entry for; None where the entries are no subsequence of the ids.
+
+    llama-server (0.3.36's tools/server) adds a token to its answer's list only once the text
+    so far ends in a complete UTF-8 character: a token that stops inside a multi-byte
+    character (a byte-fallback token) gets no entry, the token that completes the character
+    gets one with its own id and logprobs (measured: 48 tokens, 37 entries, at temperature 1
+    on SmolLM2). An entry is kept at a token only where every way of placing the entries
+    in order puts it there (its leftmost and rightmost placement agree); a token left
+    without one is scored by the reference, like a verification step's token."""
+    def placement(positions, want) -> list[int] | None:  # greedy: each entry at its first match
+        at = []
+        for i in positions:
+            if len(at) < len(want) and want[len(at)].get("id") == tokens[i]:
+                at.append(i)
+        return at if len(at) == len(want) else None
+
+    left = placement(range(len(tokens)), entries)
+    right = placement(range(len(tokens) - 1, -1, -1), entries[::-1])
+    if left is None or right is None:
+        return None
+    out: list[dict] = [{} for _ in tokens]
+    for k, (lo, hi) in enumerate(zip(left, right[::-1])):
+        if lo == hi:
+            out[lo] = entries[k]
+    return out
+
+
 async def sample_answer(api: _Native, pid: str, slice_: str, ids: list[int], max_tokens: int,
                         sampler: dict) -> PromptResult:
     """One temperature-1 answer from the endpoint's /completion, every token with its id."""
@@ -113,9 +143,12 @@ async def sample_answer(api: _Native, pid: str, slice_: str, ids: list[int], max
     probs = obj.get("completion_probabilities") or []
     got = [p.get("id") for p in probs]
     if obj.get("tokens") is not None and obj["tokens"] != got:
-        res.error = (f"/completion's tokens ({len(obj['tokens'])}) and completion_probabilities ({len(got)}) "
-                     "disagree: the emitted ids are unknown")
-        return res
+        aligned = align_entries(obj["tokens"], probs)
+        if aligned is None:
+            res.error = (f"/completion's tokens ({len(obj['tokens'])}) and completion_probabilities "
+                         f"({len(got)}) disagree: the entries are not the emitted ids in order")
+            return res
+        probs, got = aligned, list(obj["tokens"])
     res.latency_s = time.perf_counter() - t0
     res.text = obj.get("content", "")
     res.finish_reason = "length" if obj.get("stop_type") == "limit" else "stop"
@@ -133,9 +166,15 @@ async def sample_answer(api: _Native, pid: str, slice_: str, ids: list[int], max
 
 async def score_position(ref: _Native, ids: list[int], sampler: dict) -> list[tuple[int, float]]:
     """The reference's top-n logprobs of the token after `ids` ([] if it sent none)."""
-    obj = await ref.post("/completion", _body(ids, 1, sampler))
-    probs = obj.get("completion_probabilities") or []
-    return _top(probs[0]) if probs else []
+    # the reference samples the token it lists, and lists none for a token that ends inside a
+    # multi-byte character (align_entries); its top-n before sampling do not depend on the
+    # draw, so a few more draws are asked for
+    for _ in range(SCORE_TRIES):
+        obj = await ref.post("/completion", _body(ids, 1, sampler))
+        probs = obj.get("completion_probabilities") or []
+        if probs:
+            return _top(probs[0])
+    return []
 
 
 async def _one(api: _Native, ref: _Native, p, chat: bool, max_tokens: int, sampler: dict, scorer: str,
