@@ -8,6 +8,11 @@ each mode in a process of its own (ggml fixes its tiled-kernel switch once per p
   (churn_difference), every logit of every pass against a fresh decode.
 
     python benchmarks/ggml_invariant_noise.py --target smollm2-135m --threads 2
+
+--modes invariant-repacked is an experiment, not a mode verispec offers: the batch-invariant
+cache and switches with llama.cpp's repacked weights left on, to measure what repacking alone
+adds to the noise (benchmarks/RESULTS.md, session 15). Turning repacking off is the one
+switch of the batch-invariant mode that costs real speed on an AVX-512 CPU.
 """
 
 from __future__ import annotations
@@ -25,7 +30,16 @@ def child(args) -> None:
     from verispec.models import load_model
     from verispec.models.noise import batching_noise, churn_difference, rollback_difference
     torch.set_num_threads(args.threads)
-    m = load_model(args.target, backend="ggml", batch_invariant=args.child == "invariant", progress=False).model
+    if args.child == "invariant-repacked":
+        from verispec.models.ggml.lib import bindings
+        ll = bindings()
+        load = ll.llama_model_load_from_file
+
+        def load_repacked(path, params):  # GgmlModel(batch_invariant=True) sets this False
+            params.use_extra_bufts = True
+            return load(path, params)
+        ll.llama_model_load_from_file = load_repacked
+    m = load_model(args.target, backend="ggml", batch_invariant=args.child != "default", progress=False).model
     seeds = tuple(range(args.seeds))
     t = time.perf_counter()
     res = {"mode": args.child, "backend": m.backend, "noise": batching_noise(m, seeds=seeds),
@@ -42,7 +56,7 @@ def main():
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--churn-steps", type=int, default=20)
     ap.add_argument("--modes", default="default,invariant")
-    ap.add_argument("--child", choices=["default", "invariant"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["default", "invariant", "invariant-repacked"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
