@@ -148,3 +148,97 @@ def test_typical_lossy_fails_on_statistics_and_the_exact_rule_passes(rule):
         # the verdict comes from the sampled tokens, not from the rule's name the server publishes
         assert not d["passed"] and f["p_value"] < 1e-3 and f["mean_u"] < 0.5, d["summary"]
         assert "distribution" in report["failed_checks"]
+
+
+def _vllm_list(p: np.ndarray, x: int, n: int, chat: bool) -> list[tuple[int, float]]:
+    """The alternatives vLLM lists for a draw x of p when asked for n (its logprobs processor:
+    the sampled token, then the top n, merged by id; chat keeps the first n of those)."""
+    merged = dict.fromkeys([x] + [int(i) for i in np.argsort(-p)[:n]])
+    ids = list(merged)[:n] if chat else list(merged)
+    return [(i, float(np.log(p[i]))) for i in ids]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_vllm_lists_the_sampled_token_and_only_its_draw_independent_entries_are_buckets(chat):
+    from verispec.audit.endpoint.sampled import logprob_convention
+    n = 5
+    conv = logprob_convention("vllm", chat, n)
+    assert conv.buckets == (n - 1 if chat else n)
+    rng = np.random.default_rng(0)
+    r_fixed, r_naive = random.Random(1), random.Random(1)
+    fixed, naive, tails = [], [], 0
+    for _ in range(6000):
+        p = rng.dirichlet(np.full(40, 0.3))
+        x = int(rng.choice(40, p=p))
+        top = _vllm_list(p, x, n, chat)
+        assert any(k == x for k, _ in top) and len(top) <= (n if chat else n + 1)
+        u, in_bucket = pit_top_n(x, top, r_fixed, conv.buckets)
+        fixed.append(u)
+        tails += not in_bucket
+        naive.append(pit_top_n(x, top, r_naive)[0])  # every listed entry a bucket: depends on the draw
+    assert tails > 300  # the tail bucket receives draws
+    assert sps.kstest(fixed, "uniform").pvalue > 1e-3
+    assert sps.kstest(naive, "uniform").pvalue < 1e-6  # the false alarm the convention removes
+
+
+def test_vllm_convention_still_sees_a_biased_sampler():
+    from verispec.audit.endpoint.sampled import logprob_convention
+    conv = logprob_convention("vllm", True, 20)
+    rng = np.random.default_rng(2)
+    r = random.Random(3)
+    us = []
+    for _ in range(2000):
+        p = rng.dirichlet(np.full(60, 0.3))
+        q = p ** 1.3 / (p ** 1.3).sum()  # a relaxed acceptance favours likely tokens
+        x = int(rng.choice(60, p=q))
+        us.append(pit_top_n(x, _vllm_list(p, x, 20, True), r, conv.buckets)[0])
+    assert sps.kstest(us, "uniform").pvalue < 1e-4
+
+
+def _vllm_run(n_answers: int, n_tokens: int, listing) -> EndpointRun:
+    rng = np.random.default_rng(0)
+    results = []
+    for a in range(n_answers):
+        ids, tops = [], []
+        for _ in range(n_tokens):
+            p = rng.dirichlet(np.full(40, 0.3))
+            x = int(rng.choice(40, p=p))
+            ids.append(x)
+            tops.append(listing(p, x))
+        results.append(PromptResult(f"a{a}", "s", text="x", finish_reason="length", completion_tokens=n_tokens,
+                                    tokens=[f"token_id:{i}" for i in ids], token_logprobs=[0.0] * n_tokens,
+                                    token_ids=ids, top=tops))
+    return EndpointRun("http://x", "m", "vllm", True, [LevelRun(8, 1.0, results, None)])
+
+
+def test_the_check_records_the_convention_and_refuses_lists_that_break_it():
+    from verispec.audit.endpoint.sampled import ENDPOINT, logprob_convention
+    ok = distribution_figures(_vllm_run(20, 30, lambda p, x: _vllm_list(p, x, 20, True)))
+    assert ok["passed"] and ok["convention"]["endpoint"]["buckets"] == 19
+    assert ok["observed"]["entries_per_token"] == {20: 600} and ok["observed"]["sampled_token_listed"] == 600
+    assert ok["tail_tokens"] > 0 and ok["observed"]["follows_convention"]
+    # a list that leaves the sampled token out breaks "always listed": no verdict on such lists
+    run = _vllm_run(20, 30, lambda p, x: [(int(i), float(np.log(p[i]))) for i in np.argsort(-p)[:20]])
+    bad = distribution_figures(run)
+    assert not bad["passed"] and "do not follow the top-(n-1)+sampled convention" in bad["reason"]
+    # the same lists read as a top-n server's are exact
+    run.conventions = {ENDPOINT: logprob_convention("llama.cpp", True)}
+    assert distribution_figures(run)["passed"]
+
+
+def test_vllm_token_ids_are_read_from_its_real_streamed_answers():
+    """tests/endpoint/fixtures/vllm_logprobs_stream.json: vLLM 0.32.0's own chunks, asked for
+    return_tokens_as_token_ids: every token and alternative keyed by its id."""
+    import json
+    from pathlib import Path
+    from verispec.audit.endpoint.client import _collect_logprobs
+    doc = json.loads((Path(__file__).parent / "fixtures" / "vllm_logprobs_stream.json").read_text())
+    for api, chat in (("chat", True), ("completions", False)):
+        toks, lps, margins, ids, tops = [], [], [], [], []
+        for chunk in doc[api]:
+            for ch in chunk.get("choices") or []:
+                _collect_logprobs(ch.get("logprobs"), chat, toks, lps, margins, ids, tops)
+        assert len(ids) == 6 and all(isinstance(i, int) for i in ids)
+        assert all(all(isinstance(k, int) for k, _ in top) for top in tops)
+        assert all(any(k == i for k, _ in top) for i, top in zip(ids, tops))  # the sampled token: always listed
+        assert all(len(top) == 4 for top in tops) if chat else all(len(top) in (4, 5) for top in tops)

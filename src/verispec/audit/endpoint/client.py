@@ -114,6 +114,7 @@ class EndpointRun:
     kind: str  # "verispec" | "vllm" | "sglang" | "unknown" (from /metrics)
     logprobs: bool  # whether the server returned logprobs
     levels: list[LevelRun]
+    conventions: dict | None = None  # scorer -> sampled.Convention of its top-n lists (the T > 0 check)
 
     def to_dict(self) -> dict:
         return {"url": self.url, "model": self.model, "kind": self.kind, "logprobs": self.logprobs,
@@ -237,30 +238,46 @@ class EndpointClient:
         return res
 
 
+TOKEN_ID_PREFIX = "token_id:"  # vLLM's token text under return_tokens_as_token_ids
+
+
+def token_key(token):
+    """A listed token's key: its id where the server wrote one as "token_id:N" (vLLM asked for
+    ids), else the token as given (an id or a text)."""
+    if isinstance(token, str) and token.startswith(TOKEN_ID_PREFIX) and token[len(TOKEN_ID_PREFIX):].isdigit():
+        return int(token[len(TOKEN_ID_PREFIX):])
+    return token
+
+
 def _collect_logprobs(lp, chat: bool, toks: list, lps: list, margins: list, ids: list, tops: list) -> None:
     """Chat: {"content": [{"token", "logprob", "id"?, "top_logprobs": [{"token", "logprob", "id"?}]}]};
     completions: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "token_ids"?}.
-    A token is keyed by its id where the server gives one (llama.cpp, verispec), else its text."""
+    A token is keyed by its id where the server gives one (llama.cpp and verispec as "id",
+    vLLM as "token_id:N" texts when asked), else by its text."""
     if not lp:
         return
     if chat:
         for item in lp.get("content") or []:
-            toks.append(item.get("token") or "")
+            tok = item.get("token") or ""
+            key = token_key(tok)
+            toks.append(tok)
             lps.append(item.get("logprob"))
-            ids.append(item.get("id"))
-            top = [(t.get("id", t.get("token")), t.get("logprob")) for t in item.get("top_logprobs") or []]
+            ids.append(item.get("id", key if isinstance(key, int) else None))
+            top = [(t.get("id", token_key(t.get("token"))), t.get("logprob")) for t in item.get("top_logprobs") or []]
             tops.append(top)
             vals = sorted((v for _, v in top if v is not None), reverse=True)
             margins.append(vals[0] - vals[1] if len(vals) >= 2 else None)
     else:
         tl, texts, tids = lp.get("top_logprobs") or [], lp.get("tokens") or [], lp.get("token_ids") or []
         for i, v in enumerate(lp.get("token_logprobs") or []):
-            toks.append(texts[i] if i < len(texts) else "")
+            tok = texts[i] if i < len(texts) else ""
+            key = token_key(tok)
+            toks.append(tok)
             lps.append(v)
-            ids.append(tids[i] if i < len(tids) else None)
-            top = list((tl[i] or {}).items()) if i < len(tl) else []
+            ids.append(tids[i] if i < len(tids) else key if isinstance(key, int) else None)
+            top = [(token_key(k), x) for k, x in (tl[i] or {}).items()] if i < len(tl) else []
             tops.append(top)
-            vals = sorted((v for _, v in top), reverse=True)
+            vals = sorted((x for _, x in top if x is not None), reverse=True)
             margins.append(vals[0] - vals[1] if len(vals) >= 2 else None)
 
 

@@ -45,7 +45,7 @@ from dataclasses import replace
 
 import httpx
 
-from .client import EndpointConfig, EndpointRun, LevelRun, PromptResult
+from .client import EndpointConfig, EndpointRun, LevelRun, PromptResult, _counters
 from .counters import response_spec
 from .sampled import ENDPOINT, REFERENCE, TOP_LOGPROBS, sampled_run, sampler_settings
 
@@ -212,13 +212,32 @@ async def run_rescored(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: li
             return await _one(api, ref, p, cfg.chat, cfg.max_tokens, sampler, scorer, cache)
     try:
         model = cfg.model or (await api.http.get("/v1/models")).json()["data"][0]["id"]
+        before = await _endpoint_counters(api)
         t0 = time.perf_counter()
         results = list(await asyncio.gather(*(bounded(p) for p in prompts)))
         wall = time.perf_counter() - t0
+        after = await _endpoint_counters(api)  # llama.cpp adds a request's counts at its slot's release
+        spec = after.delta(before) if after is not None else None
     finally:
         await api.aclose()
         await ref.aclose()
-    return EndpointRun(cfg.base, model, "llama.cpp", True, [LevelRun(conc, wall, results, None)])
+    return EndpointRun(cfg.base, model, "llama.cpp", True, [LevelRun(conc, wall, results, spec)])
+
+
+async def _endpoint_counters(api: _Native):
+    """The endpoint's speculative counters now, once two scrapes agree (None without /metrics)."""
+    last = None
+    for _ in range(10):
+        try:
+            r = await api.http.get("/metrics")
+        except httpx.HTTPError:
+            return None
+        now = _counters(r.text) if r.status_code == 200 else None
+        if now is None or (last is not None and now.to_dict() == last.to_dict()):
+            return now
+        last = now
+        await asyncio.sleep(0.2)
+    return last
 
 
 def rescored_sampled_run(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: list, tokens: int,

@@ -46,6 +46,13 @@ from .sampled import distribution_figures, sampled_run, sampler_settings
 
 WORD = re.compile(r"\w+|[^\w\s]|\s+")
 
+# the checks the endpoint audit runs (lossy-rule and record come with any of them), and those
+# that read the greedy runs (base, endpoint and null): without them those runs are not made
+ENDPOINT_CHECKS = ("equivalence", "distribution", "corruption", "slices", "load")
+GREEDY_CHECKS = {"equivalence", "corruption", "slices", "load"}
+# a speculative server's sampled phase must verify this many draft tokens to have power
+MIN_VERIFIED_DRAFTS = 200
+
 
 def _concurrency(s: str) -> tuple[int, ...]:
     import argparse
@@ -117,7 +124,8 @@ def cmd_endpoint_audit(args) -> int:
                                     chat=not args.endpoint_raw, max_tokens=args.endpoint_max_tokens,
                                     concurrency=args.concurrency, suite_spec=args.suite, suite_size=len(suite),
                                     null_repeats=args.null_repeats, sampled_tokens=args.sampled_tokens,
-                                    previous=previous, score_with=args.score_with)
+                                    previous=previous, score_with=args.score_with, only=tuple(getattr(args, "only", None) or ()),
+                                    min_verified_drafts=getattr(args, "min_verified_drafts", MIN_VERIFIED_DRAFTS))
     except EndpointError as e:
         print(f"verispec audit --endpoint: cannot audit: {e}", file=sys.stderr)
         return 2
@@ -155,7 +163,8 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
                        api_key: str | None = None, chat: bool = True, max_tokens: int = 64,
                        concurrency: tuple[int, ...] = (1, 8), suite_spec: str = "default",
                        suite_size: int | None = None, alpha: float = NULL_ALPHA, null_repeats: int = 1,
-                       sampled_tokens: int = 0, previous: dict | None = None, score_with: str = "auto") -> dict:
+                       sampled_tokens: int = 0, previous: dict | None = None, score_with: str = "auto",
+                       only: tuple[str, ...] = (), min_verified_drafts: int = MIN_VERIFIED_DRAFTS) -> dict:
     """Run the endpoint, its reference and the reference's null runs over the prompts; the
     report as a dict in the offline audit's format (audit.report.write_reports renders it).
 
@@ -170,9 +179,19 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
     reference (rescore.py: a llama.cpp endpoint and reference; else the endpoint's own
     only), "endpoint" its own only, "reference" every token by the reference (an
     EndpointError where that cannot run). previous: an earlier endpoint audit's report,
-    compared with this one as a gate (compare.py)."""
+    compared with this one as a gate (compare.py). only: the checks to run (ENDPOINT_CHECKS;
+    empty: all); the greedy runs are made only for the checks that read them.
+    min_verified_drafts: a speculative server's sampled phase verifies at least this many
+    draft tokens (its counters' difference over the phase) or the check is inconclusive."""
     if null_repeats < 1:
         raise ValueError(f"null_repeats must be >= 1, got {null_repeats}")
+    unknown = set(only) - set(ENDPOINT_CHECKS)
+    if unknown:
+        raise EndpointError(f"--only {','.join(sorted(unknown))}: not a check of the endpoint audit "
+                            f"(from outside: {', '.join(ENDPOINT_CHECKS)})")
+    wanted = set(only or ENDPOINT_CHECKS)
+    greedy = bool(wanted & GREEDY_CHECKS)
+    sampled_tokens = sampled_tokens if "distribution" in wanted else 0
     t0 = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     info = probe(EndpointConfig(url).base, api_key)
@@ -190,23 +209,29 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
         ref_cfg = None
         reference_kind = ("none: the endpoint's own answers at concurrency 1 (load invariance only; "
                           "speculation cannot be separated from batching numerics)")
+    if not greedy and not sampled_tokens:
+        raise EndpointError("--only distribution with --sampled-tokens 0: nothing to run")
     base_cfg = replace(ref_cfg or cfg, concurrency=(1,))
-    base = _run(base_cfg, prompts, "the base run (reference at concurrency 1)")
-    if ref_cfg:  # the endpoint and the first null timed side by side: the speedups' pairs
-        run, first_null = _run_paired(cfg, ref_cfg, prompts)
-        null_runs = [first_null] + [_run(ref_cfg, prompts, "the null run") for _ in range(null_repeats - 1)]
-    else:
-        run = _run(cfg, prompts, "the endpoint")
-        null_runs = [_run(base_cfg, prompts, "the null run") for _ in range(null_repeats)]
-    null_run = null_runs[0]
-    reference = null_run if ref_cfg else None
-    base_results = base.levels[0].results
-    tests = [compare(base_results, lv.results, lv.concurrency) for lv in run.levels]
+    run = base = null_run = reference = srun = None
+    tests, base_results = [], []
     nulls: dict[int, Comparison] = {}
-    for nr in null_runs:  # repeats pool per level: more null divergences give the margins a scale
-        for lv in nr.levels:
-            nulls.setdefault(lv.concurrency, Comparison(lv.concurrency)).rows += compare(
-                base_results, lv.results, lv.concurrency).rows
+    if greedy:
+        base = _run(base_cfg, prompts, "the base run (reference at concurrency 1)")
+        if ref_cfg:  # the endpoint and the first null timed side by side: the speedups' pairs
+            run, first_null = _run_paired(cfg, ref_cfg, prompts)
+            null_runs = [first_null] + [_run(ref_cfg, prompts, "the null run") for _ in range(null_repeats - 1)]
+        else:
+            run = _run(cfg, prompts, "the endpoint")
+            null_runs = [_run(base_cfg, prompts, "the null run") for _ in range(null_repeats)]
+        null_run = null_runs[0]
+        reference = null_run if ref_cfg else None
+        base_results = base.levels[0].results
+        tests = [compare(base_results, lv.results, lv.concurrency) for lv in run.levels]
+        nulls = {}
+        for nr in null_runs:  # repeats pool per level: more null divergences give the margins a scale
+            for lv in nr.levels:
+                nulls.setdefault(lv.concurrency, Comparison(lv.concurrency)).rows += compare(
+                    base_results, lv.results, lv.concurrency).rows
 
     checks = []
     if info.kind == "verispec" and "rule" in info.speculative:
@@ -214,7 +239,8 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
         rule = info.speculative["rule"]
         checks.append(_check("lossy-rule", not lossy, f"server rule {rule!r} is " + ("LOSSY" if lossy else "exact"),
                              {"rule": rule, "lossy": lossy}))
-    checks.append(_equivalence(tests, nulls, base, reference_kind, ref_cfg is not None, alpha))
+    if "equivalence" in wanted:
+        checks.append(_equivalence(tests, nulls, base, reference_kind, ref_cfg is not None, alpha))
     if sampled_tokens:
         why_not = rescore.supported(info.kind, ref_info.kind if ref_info else None)
         if score_with == "reference" and why_not:
@@ -227,27 +253,32 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
                 srun = sampled_run(cfg, info.kind, prompts, sampled_tokens, max(concurrency))
         except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
             raise EndpointError(f"the sampled run at {cfg.base}: {type(e).__name__}: {e}") from None
-        checks.append(_distribution(srun, sampled_tokens, info.kind,
+        checks.append(_distribution(srun, sampled_tokens, info, min_verified_drafts,
                                     None if score_with == "endpoint" or not why_not else why_not))
-    checks.append(_corruption(run, base_results))
-    checks.append(_slices(run, reference))
-    checks.append(_load(run, reference))
-    record = _record(run, reference, info, ref_info, reference_kind, prompts, chat, max_tokens, concurrency,
+    if "corruption" in wanted:
+        checks.append(_corruption(run, base_results))
+    if "slices" in wanted:
+        checks.append(_slices(run, reference))
+    if "load" in wanted:
+        checks.append(_load(run, reference))
+    record = _record(run or srun, reference, info, ref_info, reference_kind, prompts, chat, max_tokens, concurrency,
                      suite_spec, suite_size, started)
     dist = next((c for c in checks if c["name"] == "distribution"), None)
     if dist is not None:
         record["sampling"]["distribution_check"] = {"sent": dist["figures"]["sampler_sent"], "seed": "none sent",
                                                     "top_logprobs": dist["figures"]["top_logprobs"]}
-    checks.append(_check("record", True, f"endpoint {run.url} ({info.kind} {info.version or 'version unknown'}), "
-                                         f"model {run.model}; {len(record['retest_triggers'])} re-test triggers",
-                         {"kind": info.kind, "version": info.version, "model": run.model}, informational=True))
+    audited = run or srun
+    checks.append(_check("record", True, f"endpoint {audited.url} ({info.kind} {info.version or 'version unknown'}), "
+                                         f"model {audited.model}; {len(record['retest_triggers'])} re-test triggers",
+                         {"kind": info.kind, "version": info.version, "model": audited.model}, informational=True))
     failed = [c["name"] for c in checks if not c["passed"]]
     samples = [{"slice": p.slice, "prompt": p.prompt, "reference": r.text or "", "speculative": g.text or ""}
-               for p, r, g in list(zip(prompts, base_results, run.levels[-1].results))[:6]]
+               for p, r, g in list(zip(prompts, base_results, run.levels[-1].results if run else []))[:6]]
     report = {"verdict": "fail" if failed else "pass", "failed_checks": failed,
               "elapsed_s": round(time.perf_counter() - t0, 1), "checks": checks, "record": record,
-              "samples": samples, "endpoint_runs": {"endpoint": run.to_dict(), "base": base.to_dict(),
-                                                    "reference": null_run.to_dict()}}
+              "samples": samples, "only": list(only),
+              "endpoint_runs": {"endpoint": run.to_dict(), "base": base.to_dict(), "reference": null_run.to_dict()}
+              if greedy else {"sampled": srun.to_dict() if sampled_tokens else None}}
     if previous is not None:  # --compare-to: the gate against an earlier audit
         report["checks"].append(comparison_check(compare_reports(previous, report)))
         report["failed_checks"] = [c["name"] for c in report["checks"] if not c["passed"]]
@@ -322,18 +353,60 @@ def _equivalence(tests: list[Comparison], nulls: dict[int, Comparison], base: En
                    "tables": tables})
 
 
-def _distribution(srun: EndpointRun, budget: int, kind: str, no_reference: str | None = None) -> dict:
-    """no_reference: why the tokens sent without logprobs could not be scored by the reference."""
+def _phase_counters(srun: EndpointRun) -> SpecCounters | None:
+    """The endpoint's speculative counters summed over the sampled phase's rounds."""
+    total = None
+    for lv in srun.levels:
+        if lv.spec is not None and not lv.spec.from_gauges:
+            total = lv.spec if total is None else total.plus(lv.spec)
+    return total
+
+
+def _speculates(info: ServerInfo, counters: SpecCounters | None) -> bool | None:
+    """Whether the endpoint drafts, as it says itself (None: it does not say)."""
+    if info.kind == "verispec":
+        return bool(info.speculative.get("drafter"))
+    if info.kind == "llama.cpp" and info.speculative.get("slots") is not None:
+        return bool(info.speculative.get("slots_speculative"))
+    if counters is not None:  # vLLM publishes spec_decode counters only with a speculative config
+        return True
+    return None
+
+
+def _distribution(srun: EndpointRun, budget: int, info: ServerInfo, min_drafts: int,
+                  no_reference: str | None = None) -> dict:
+    """no_reference: why the tokens sent without logprobs could not be scored by the reference.
+    A speculative endpoint whose sampled phase verified fewer than min_drafts draft tokens
+    (its counters' difference over the phase) has not shown its verifier exact: inconclusive."""
     f = distribution_figures(srun, min_tokens=min(200, budget))
     if no_reference and f["tokens_without_logprobs"]:
         f["reason"] = "; ".join(x for x in (f["reason"], f"not scored by a reference: {no_reference}") if x)
+    counters = _phase_counters(srun)
+    speculates = _speculates(info, counters)
+    drafts = int(counters.draft_tokens) if counters is not None and counters.draft_tokens is not None else None
+    f.update(verified_drafts=drafts if drafts is not None else "not published by the server",
+             min_verified_drafts=min_drafts if speculates else "-", speculative_server=speculates,
+             phase_counters=counters.to_dict() if counters else None)
+    if counters is not None and counters.draft_tokens:
+        f.update(acceptance_rate=counters.acceptance_rate, mean_accepted_length=counters.mean_acceptance_length)
+    if speculates and (drafts is None or drafts < min_drafts):
+        why = (f"inconclusive: the sampled phase verified {drafts} draft tokens (< {min_drafts}): the verifier "
+               "was hardly exercised" if drafts is not None else
+               "inconclusive: the server publishes no draft counters, so how many drafts the sampled phase "
+               "verified is unknown")
+        f["reason"] = "; ".join(x for x in (f["reason"], why) if x)
+        f["passed"] = False
+    conv = f["convention"]["endpoint"]
     if f["p_value"] is None:
         summary = f["reason"]
     else:
-        summary = (f"randomised PIT over top-{f['top_logprobs']} + tail, {f['n']} tokens at T=1 (every other "
-                   f"sampler setting sent as off): KS p = {f['p_value']:.3g}, D = {f['ks_statistic']:.3f}"
+        summary = (f"randomised PIT over the top {conv['buckets']} + tail ({conv['name']}), {f['n']} tokens at T=1 "
+                   f"(every other sampler setting sent as off): KS p = {f['p_value']:.3g}, D = {f['ks_statistic']:.3f}"
+                   + (f"; {drafts} drafts verified in the phase"
+                      + (f", acceptance {f['acceptance_rate']:.1%}" if f.get("acceptance_rate") is not None else "")
+                      if drafts is not None else "")
                    + (f"; {f['reason']}" if f["reason"] else "") + f"; scored with {f['scored_with']}")
-    f["sampler_sent"] = {"temperature": 1.0, **sampler_settings(kind)}
+    f["sampler_sent"] = {"temperature": 1.0, **sampler_settings(info.kind)}
     return _check("distribution", f["passed"], summary, f, {"answers": f["answers"]})
 
 

@@ -5,16 +5,26 @@ Requests are sampled at temperature 1 with every other sampler setting sent expl
 as off (servers have non-trivial defaults: llama.cpp applies top-k 40, top-p 0.95 and
 min-p 0.05 unless told otherwise), so the emitted token at each position is a draw from
 the target's own distribution p when the sampler is exact. Each emitted token x is then
-scored against the top-n list returned with it: order the n listed tokens by descending
-logprob and put every other token in one tail bucket of mass 1 - sum(top-n); then
+scored against the list returned with it: order the listed tokens by descending logprob,
+keep as buckets the m most probable of them, and put every other token in one tail bucket
+of mass 1 - S_m (S_m the buckets' mass); then
 
-    u = F(x-) + U * p(x)  (x listed)      u = S_n + U * (1 - S_n)  (x in the tail)
+    u = F(x-) + U * p(x)  (x in a bucket)      u = S_m + U * (1 - S_m)  (x in the tail)
 
-with U ~ Uniform(0, 1) drawn here and S_n the listed mass. The buckets partition the
-vocabulary by a rule fixed before the draw (the top n of p), so under an exact sampler u
-is exactly Uniform(0, 1) whatever n is; a sampler that favours likely or drafted tokens
-(typical acceptance, a relaxed threshold) piles u near 0. A Kolmogorov-Smirnov test
-(audit.stats.test_uniform) of all u decides, at ALPHA.
+with U ~ Uniform(0, 1) drawn here. Under an exact sampler u is exactly Uniform(0, 1) when
+the buckets are fixed before the draw, so m is the number of entries the server lists
+whatever it draws (Convention): servers differ there. llama.cpp and verispec list the
+top n of p, so m = n. vLLM always lists the sampled token: chat completions return n
+entries, the top n-1 plus the sampled token (the top n when it is among them), and
+completions the top n plus the sampled token as an (n+1)-th entry when it is outside
+them, so m = n-1 and n. Counting a listed sampled token as a bucket would move the tail's
+mass onto the draws that landed there (the tail then never receives a draw, and u piles up
+just above S_n): the PIT would accuse an exact server. A server of an unknown kind gets
+m = n-1, draw-independent under each of those conventions. The check records the rule and
+what the answers showed (entries per token, how often the sampled token was listed).
+A sampler that favours likely or drafted tokens (typical acceptance, a relaxed threshold)
+piles u near 0. A Kolmogorov-Smirnov test (audit.stats.test_uniform) of all u decides, at
+ALPHA.
 
 Which logprobs: the endpoint's own by default (``scored_with`` says so in the report). They
 are the target's distribution as the server computes it (llama.cpp: its verify batch's
@@ -29,7 +39,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .client import EndpointConfig, EndpointRun, audit_endpoint
 
@@ -53,19 +63,74 @@ def sampler_settings(kind: str) -> dict:
     return dict(SAMPLER_OFF.get(kind, OFF))
 
 
-def pit_top_n(chosen, top: list[tuple], rng: random.Random) -> tuple[float, bool] | None:
-    """(u, whether x was listed) for one emitted token `chosen` (id or text, matching the
-    keys of `top`), `top` the [(key, logprob)] alternatives returned with it; None when
-    the list is empty or malformed."""
+@dataclass(frozen=True)
+class Convention:
+    """Which of a server's listed alternatives are listed whatever it draws."""
+
+    name: str
+    buckets: int  # m: the m most probable listed entries are draw-independent
+    rule: str  # the convention in words, for the report
+    max_entries: int | None = None  # the most entries a list may hold under it (None: not stated)
+    sampled_always_listed: bool = False  # every list holds the sampled token
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "buckets": self.buckets, "rule": self.rule}
+
+    def contradicted_by(self, entries_per_token: dict[int, int], listed: int, tokens: int) -> str | None:
+        """Why the answers do not follow this convention (None: they do)."""
+        most = max(entries_per_token, default=0)
+        if self.max_entries is not None and most > self.max_entries:
+            return f"a list held {most} entries where the convention allows {self.max_entries}"
+        if self.sampled_always_listed and listed < tokens:
+            return f"the sampled token was listed for {listed} of {tokens} tokens, not always"
+        return None
+
+
+def logprob_convention(kind: str, chat: bool, n: int = TOP_LOGPROBS) -> Convention:
+    """The convention of a server kind's top-n alternatives when asked for n of them (each
+    measured on the real server's answers: tests/slow and the report's observation)."""
+    if kind in ("llama.cpp", "verispec"):
+        return Convention("top-n", n, f"the top {n} of p before sampling, whatever was drawn: all {n} are buckets",
+                          max_entries=n)
+    if kind == "vllm" and chat:
+        return Convention("top-(n-1)+sampled", n - 1,
+                          f"the sampled token is always listed: {n} entries, the top {n - 1} plus the sampled token "
+                          f"(the top {n} when it is among them): the {n - 1} most probable are buckets",
+                          max_entries=n, sampled_always_listed=True)
+    if kind == "vllm":
+        return Convention("top-n+sampled", n,
+                          f"the top {n} plus the sampled token as an ({n}+1)-th entry when it is outside them: "
+                          f"the {n} most probable are buckets", max_entries=n + 1, sampled_always_listed=True)
+    if kind == "reference-prompt-logprobs":
+        return Convention("top-n+token", n, f"prompt_logprobs: the top {n} plus the scored token when it is outside "
+                                            f"them: the {n} most probable are buckets", max_entries=n + 1)
+    return Convention("unknown: top-(n-1)", n - 1,
+                      f"convention not measured for server kind {kind!r}: the {n - 1} most probable entries, "
+                      "draw-independent whether the server lists the top n, the top n plus the sampled token, "
+                      "or the top n-1 plus it")
+
+
+# what a sampled request adds per server kind so that answers carry token ids (texts collide:
+# two ids can detokenize to the same text, and a top-logprobs dict keyed by text merges them)
+TOKEN_IDS_REQUEST = {"vllm": {"return_tokens_as_token_ids": True}}
+
+
+def pit_top_n(chosen, top: list[tuple], rng: random.Random, buckets: int | None = None) -> tuple[float, bool] | None:
+    """(u, whether x fell in a bucket) for one emitted token `chosen` (id or text, matching
+    the keys of `top`), `top` the [(key, logprob)] alternatives returned with it, of which
+    the `buckets` most probable are buckets (None: all); None when the list is empty or
+    malformed."""
     pairs = [(k, lp) for k, lp in top if lp is not None and math.isfinite(lp)]
     if not pairs:
         return None
     pairs.sort(key=lambda kv: -kv[1])  # descending p; the server's order breaks ties (a stable sort)
-    probs = [math.exp(lp) for _, lp in pairs]
-    listed = sum(probs)
-    if listed > 1.0 + 1e-4:  # not log-probabilities of one distribution
+    if sum(math.exp(lp) for _, lp in pairs) > 1.0 + 1e-4:  # not log-probabilities of one distribution
         return None
-    listed = min(listed, 1.0)
+    pairs = pairs[:buckets] if buckets is not None else pairs
+    if not pairs:
+        return None
+    probs = [math.exp(lp) for _, lp in pairs]
+    listed = min(sum(probs), 1.0)
     before = 0.0
     for (k, _), p in zip(pairs, probs):
         if k == chosen:
@@ -98,7 +163,8 @@ def sampled_run(cfg: EndpointConfig, kind: str, prompts: list, tokens: int, conc
     first = max(1, math.ceil(tokens / per))
     cap = MAX_ANSWERS_FACTOR * first
     scfg = replace(cfg, temperature=1.0, sampler=sampler_settings(kind), logprobs=True,
-                   top_logprobs=TOP_LOGPROBS, concurrency=(concurrency,))
+                   top_logprobs=TOP_LOGPROBS, concurrency=(concurrency,),
+                   extra_body={**(cfg.extra_body or {}), **TOKEN_IDS_REQUEST.get(kind, {})} or None)
     levels, asked, emitted = [], 0, 0
     while not asked or (emitted < tokens and asked < cap):
         mean = emitted / asked if asked and emitted else per
@@ -112,13 +178,17 @@ def sampled_run(cfg: EndpointConfig, kind: str, prompts: list, tokens: int, conc
         if not got:
             break
         emitted += sum(r.completion_tokens if r.completion_tokens is not None else len(r.tokens or []) for r in got)
-    return EndpointRun(got_run.url, got_run.model, got_run.kind, got_run.logprobs, levels)
+    conventions = got_run.conventions or {ENDPOINT: logprob_convention(kind, cfg.chat)}
+    return EndpointRun(got_run.url, got_run.model, got_run.kind, got_run.logprobs, levels, conventions)
 
 
 def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, min_tokens: int = 200) -> dict:
     """The PIT test over every scored token of the run, and what it rests on."""
     from ..stats import test_uniform
     rng = random.Random(seed)
+    conventions = {ENDPOINT: logprob_convention(run.kind, True), REFERENCE: logprob_convention("llama.cpp", True),
+                   **(run.conventions or {})}
+    seen = {"entries_per_token": {}, "sampled_listed": 0, "tokens": 0}  # the endpoint's lists, as they came
     us, listed, unscored, errors = [], 0, 0, 0
     scorers: dict[str, int] = {}  # scored tokens per scorer ("endpoint" / "reference")
     per_token: dict[str, str] = {}  # answers that say per token who scored it (rescore.py)
@@ -141,7 +211,12 @@ def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, 
                 marks.append("-")
                 continue
             by_id = tid is not None and all(isinstance(k, int) for k, _ in top)
-            got = pit_top_n(tid if by_id else text, top, rng)  # the alternatives' own keys: ids, else texts
+            key = tid if by_id else text  # the alternatives' own keys: ids, else texts
+            if (by or ENDPOINT) == ENDPOINT:
+                seen["tokens"] += 1
+                seen["entries_per_token"][len(top)] = seen["entries_per_token"].get(len(top), 0) + 1
+                seen["sampled_listed"] += any(k == key for k, _ in top)
+            got = pit_top_n(key, top, rng, conventions[by or ENDPOINT].buckets)
             if got is None:
                 unscored += 1
                 marks.append("?")
@@ -159,7 +234,11 @@ def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, 
                                f"the reference's top-n logprobs for {by_ref} tokens, the endpoint's own for "
                                f"{scorers.get(ENDPOINT, 0)} (separate-reference scoring, rescore.py)"),
                "scorers": {ENDPOINT: scorers.get(ENDPOINT, 0), REFERENCE: by_ref},
-               "order": "descending logprob, one tail bucket for the unlisted tokens",
+               "order": "descending logprob, one tail bucket for every token not in a bucket",
+               "convention": {who: c.to_dict() for who, c in conventions.items()
+                              if who == ENDPOINT or scorers.get(who)},
+               "observed": {"entries_per_token": dict(sorted(seen["entries_per_token"].items())),
+                            "sampled_token_listed": seen["sampled_listed"], "endpoint_scored_tokens": seen["tokens"]},
                "acceptance_rate": None, "mean_accepted_length": None,
                "emitted_tokens": emitted, "tokens_without_logprobs": without}
     if per_token:
@@ -175,6 +254,9 @@ def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, 
     coverage_gap = (f"the server returned no logprobs for {without} of {emitted} emitted tokens (llama.cpp sends "
                     "none for tokens from a speculative verification step)"
                     + (", nor did the reference" if by_ref or per_token else "") + ": those tokens are not tested")
+    contradiction = conventions[ENDPOINT].contradicted_by(seen["entries_per_token"], seen["sampled_listed"],
+                                                           seen["tokens"])
+    figures["observed"]["follows_convention"] = contradiction is None
     if len(us) < min_tokens:
         figures.update(ks_statistic=None, p_value=None, passed=False,
                        reason=f"inconclusive: {len(us)} scored tokens (< {min_tokens}); the server returned "
@@ -186,6 +268,9 @@ def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, 
                                            "the logprobs"]) + ([f"{errors} sampled request(s) failed"] if errors else [])
     if without > MISSING_LOGPROBS_TOLERANCE * emitted:  # a pass of a selected subset is no pass
         reasons.append(f"inconclusive: {coverage_gap}")
+    if contradiction:  # the buckets would then depend on the draw: the PIT means nothing
+        reasons.append(f"inconclusive: the endpoint's lists do not follow the {conventions[ENDPOINT].name} "
+                       f"convention ({contradiction})")
     figures.update(ks_statistic=t.ks_statistic, p_value=t.p_value, passed=not reasons, histogram=t.histogram,
                    mean_u=sum(us) / len(us), reason="; ".join(reasons) or None)
     figures["tests"] = [{"test": "pit", "kind": "KS vs Uniform(0,1), top-n + tail", "n": t.n,
