@@ -182,4 +182,4 @@ def test_the_audit_uses_the_reference_and_says_so(servers):
     with pytest.raises(EndpointError, match="--score-with reference"):
         run_endpoint_audit(servers["exact"], PROMPTS, concurrency=(1,), max_tokens=6, sampled_tokens=240,
                            score_with="reference")
-    assert supported("llama.cpp", "llama.cpp") is None and "native API" in supported("verispec", "llama.cpp")
+    assert supported("llama.cpp", "llama.cpp") is None and "two llama.cpp servers" in supported("verispec", "llama.cpp")

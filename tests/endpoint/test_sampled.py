@@ -242,3 +242,44 @@ def test_vllm_token_ids_are_read_from_its_real_streamed_answers():
         assert all(all(isinstance(k, int) for k, _ in top) for top in tops)
         assert all(any(k == i for k, _ in top) for i, top in zip(ids, tops))  # the sampled token: always listed
         assert all(len(top) == 4 for top in tops) if chat else all(len(top) in (4, 5) for top in tops)
+
+
+def _lookup_answers(relax: float, n_answers: int = 30, n_tokens: int = 40, seed: int = 0) -> EndpointRun:
+    """Answers over a 6-token vocabulary whose context repeats, so that prompt lookup has a
+    candidate d at most positions; each token drawn from p, except that d is emitted with
+    probability min(1, relax * p(d)) (a relaxed acceptance of a one-hot draft)."""
+    from verispec.drafters.lookup import lookup_continuation
+    rng = np.random.default_rng(seed)
+    results = []
+    for a in range(n_answers):
+        prompt = [int(x) for x in rng.integers(0, 6, 12)]
+        ctx, ids, tops = list(prompt), [], []
+        for _ in range(n_tokens):
+            p = rng.dirichlet(np.full(6, 0.5))
+            cand = lookup_continuation(ctx, 1, 4, 2)
+            if cand and rng.random() < min(1.0, relax * p[cand[0]]):
+                x = cand[0]
+            elif cand:  # the residual: p without d, renormalised
+                rest = p.copy()
+                rest[cand[0]] = 0
+                x = int(rng.choice(6, p=rest / rest.sum()))
+            else:
+                x = int(rng.choice(6, p=p))
+            ids.append(x)
+            ctx.append(x)
+            tops.append([(int(j), float(np.log(p[j]))) for j in np.argsort(-p)])
+        results.append(PromptResult(f"a{a}", "s", text="x", finish_reason="length", completion_tokens=n_tokens,
+                                    tokens=[str(i) for i in ids], token_logprobs=[0.0] * n_tokens, token_ids=ids,
+                                    top=tops, prompt_ids=prompt))
+    return EndpointRun("http://x", "m", "llama.cpp", True, [LevelRun(8, 1.0, results, None)])
+
+
+def test_the_drafted_token_test_is_exact_and_sees_a_relaxed_acceptance():
+    """Where prompt lookup has a candidate d, an exact sampler emits d with probability p(d),
+    whatever was drafted: the test passes the exact rule and fails min(1, 2p)."""
+    for seed in range(3):
+        exact = distribution_figures(_lookup_answers(1.0, seed=seed))
+        assert exact["lookup"]["positions"] > 500 and exact["passed"], exact["reason"]
+    relaxed = distribution_figures(_lookup_answers(2.0))
+    assert not relaxed["passed"] and "drafted-token test" in relaxed["reason"]
+    assert relaxed["lookup"]["z"] > 5 and [t["test"] for t in relaxed["tests"]] == ["pit", "drafted-token"]

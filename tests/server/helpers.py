@@ -33,7 +33,7 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [95 if c == "\n" else (ord(c) - 32 if 32 <= ord(c) < 127 else ord("?") - 32) for c in text]
 
-    def __call__(self, text: str) -> dict:
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:  # it has no special tokens to add
         return {"input_ids": self.encode(text)}
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:

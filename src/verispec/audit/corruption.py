@@ -102,24 +102,45 @@ def signatures(output: list[int], text: str, stopped: bool, perplexity: float | 
                       char_run=run, char_run_char=c, perplexity=perplexity)
 
 
-def new_signatures(got: Signatures, ref: Signatures) -> list[str]:
-    """The corruption signatures got shows and the reference ref does not (empty: clean)."""
+@dataclass(frozen=True)
+class Flag:
+    """One corruption signature an output shows and its reference does not."""
+
+    kind: str  # "loop" | "repeated" | "char_run" | "perplexity" | "early_stop"
+    severity: float  # how far past its threshold, in the signature's own unit (comparable within a kind)
+    message: str
+
+
+def signature_flags(got: Signatures, ref: Signatures, min_tokens: int = 0) -> list[Flag]:
+    """The corruption signatures got shows and the reference ref does not (empty: clean).
+    min_tokens: the repeated-4-gram and perplexity signatures need an output at least this
+    long (a short answer's share of repeats and mean log-likelihood are too noisy to judge)."""
     flags = []
+    long_enough = got.tokens >= min_tokens
     if got.loop and not ref.loop:
-        flags.append(f"repetition loop: a {got.loop[0]}-token unit x{got.loop[1]} at the end")
-    if (got.repeated_fraction >= REPETITIVE_FRACTION
+        flags.append(Flag("loop", got.loop[0] * got.loop[1],
+                          f"repetition loop: a {got.loop[0]}-token unit x{got.loop[1]} at the end"))
+    if (long_enough and got.repeated_fraction >= REPETITIVE_FRACTION
             and got.repeated_fraction > ref.repeated_fraction + REPETITIVE_MARGIN):
-        flags.append(f"repeated {NGRAM}-grams: {got.repeated_fraction:.0%} of the output "
-                     f"(reference {ref.repeated_fraction:.0%})")
+        flags.append(Flag("repeated", got.repeated_fraction - ref.repeated_fraction,
+                          f"repeated {NGRAM}-grams: {got.repeated_fraction:.0%} of the output "
+                          f"(reference {ref.repeated_fraction:.0%})"))
     if got.char_run >= CHAR_RUN and ref.char_run < CHAR_RUN:
-        flags.append(f"character run: {got.char_run_char!r} x{got.char_run}")
-    if (got.perplexity is not None and ref.perplexity is not None
+        flags.append(Flag("char_run", got.char_run, f"character run: {got.char_run_char!r} x{got.char_run}"))
+    if (long_enough and got.perplexity is not None and ref.perplexity is not None
             and got.perplexity > PPL_RATIO * ref.perplexity):
-        flags.append(f"perplexity {got.perplexity:.2f} > {PPL_RATIO:g}x the reference's {ref.perplexity:.2f}")
+        flags.append(Flag("perplexity", got.perplexity / ref.perplexity,
+                          f"perplexity {got.perplexity:.2f} > {PPL_RATIO:g}x the reference's {ref.perplexity:.2f}"))
     if (got.stopped and ref.tokens >= EARLY_STOP_MIN_REF
             and got.tokens < EARLY_STOP_RATIO * ref.tokens):
-        flags.append(f"early stop: {got.tokens} tokens where the reference has {ref.tokens}")
+        flags.append(Flag("early_stop", ref.tokens / max(1, got.tokens),
+                          f"early stop: {got.tokens} tokens where the reference has {ref.tokens}"))
     return flags
+
+
+def new_signatures(got: Signatures, ref: Signatures) -> list[str]:
+    """The corruption signatures got shows and the reference ref does not (empty: clean)."""
+    return [f.message for f in signature_flags(got, ref)]
 
 
 def corruption_check(ctx, runs) -> CheckResult:

@@ -446,6 +446,27 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
             "verispec": {"version": __version__, "drafter": state.metrics.info["drafter"], "k": state.k,
                          "policy": state.policy, "rule": state.rule, "lossy": state.lossy}}]}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """A text's token ids under the served model's tokenizer, as llama.cpp's and vLLM's
+        /tokenize give them (the audit tokenizes outputs with the reference's own
+        tokenizer): {"content" or "prompt": text, "add_special" / "add_special_tokens":
+        bool, default false} -> {"tokens": [...], "count": n}."""
+        state.authorize(request)
+        body = await read_json(request, state.config.max_body_bytes)
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the body must be a JSON object", code="invalid_value")
+        text = body.get("content", body.get("prompt"))
+        if not isinstance(text, str):
+            raise OpenAIError(400, "'content' (or 'prompt') must be a string", param="content",
+                              code="invalid_value")
+        special = body.get("add_special", body.get("add_special_tokens", False))
+        if not isinstance(special, bool):
+            raise OpenAIError(400, "'add_special' must be a boolean", param="add_special", code="invalid_value")
+        state._check_text(text, "content", None)
+        ids = list(await state._in_pool(lambda: state.tokenizer(text, add_special_tokens=special)["input_ids"]))
+        return {"tokens": ids, "count": len(ids)}
+
     async def _tracked(request: Request, handler):
         """Generation requests: refused while draining, else counted in flight until
         their answer is complete (a stream: until it closes)."""

@@ -77,6 +77,7 @@ class PromptResult:
     top: list[list[tuple]] | None = None  # per token: [(id or token text, logprob), ...] as returned
     server_info: dict | None = None  # the response's speculative fields (counters.response_spec), if any
     scored_by: list[str | None] | None = None  # per token: whose logprobs are in `top` (rescore.py), if known
+    prompt_ids: list[int] | None = None  # the prompt as the server tokenized it, where it says (rescore.py)
 
     @property
     def ok(self) -> bool:
@@ -209,6 +210,8 @@ class EndpointClient:
                     if "error" in obj:
                         res.error = f"stream error: {obj['error']}"
                         return res
+                    if obj.get("prompt_token_ids"):  # vLLM, asked for return_token_ids
+                        res.prompt_ids = list(obj["prompt_token_ids"])
                     if obj.get("usage"):
                         res.prompt_tokens = obj["usage"].get("prompt_tokens")
                         res.completion_tokens = obj["usage"].get("completion_tokens")
@@ -221,6 +224,8 @@ class EndpointClient:
                             if res.ttft_s is None:
                                 res.ttft_s = time.perf_counter() - t0
                             parts.append(text)
+                        if ch.get("prompt_token_ids"):  # vLLM completions put them in the choice
+                            res.prompt_ids = list(ch["prompt_token_ids"])
                         if ch.get("finish_reason"):
                             res.finish_reason = ch["finish_reason"]
                         _collect_logprobs(ch.get("logprobs"), self.cfg.chat, toks, lps, margins, ids, tops)

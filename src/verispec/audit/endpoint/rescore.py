@@ -45,9 +45,10 @@ from dataclasses import replace
 
 import httpx
 
-from .client import EndpointConfig, EndpointRun, LevelRun, PromptResult, _counters
+from .client import EndpointConfig, EndpointRun, LevelRun, PromptResult, _collect_logprobs, _counters
 from .counters import response_spec
-from .sampled import ENDPOINT, REFERENCE, TOP_LOGPROBS, sampled_run, sampler_settings
+from .sampled import (ENDPOINT, REFERENCE, TOKEN_IDS_REQUEST, TOP_LOGPROBS, logprob_convention, sampled_run,
+                      sampler_settings)
 
 SCORERS = ("auto", ENDPOINT, REFERENCE)
 SCORE_TRIES = 8  # draws asked of the reference for one position's top-n (score_position)
@@ -61,9 +62,10 @@ def supported(kind: str, ref_kind: str | None) -> str | None:
     """None when the endpoint and the reference can be scored this way, else why not."""
     if ref_kind is None:
         return "no --reference-endpoint to score with"
-    if kind != "llama.cpp" or ref_kind != "llama.cpp":
-        return (f"separate-reference scoring needs llama.cpp's native API on both servers (token-id prompts to "
-                f"/completion, return_tokens; endpoint: {kind}, reference: {ref_kind})")
+    if kind != ref_kind or kind not in ("llama.cpp", "vllm"):
+        return (f"separate-reference scoring needs two llama.cpp servers (token-id prompts to /completion, "
+                f"return_tokens) or two vLLM servers (return_token_ids, prompt_logprobs); endpoint: {kind}, "
+                f"reference: {ref_kind}")
     return None
 
 
@@ -161,6 +163,7 @@ async def sample_answer(api: _Native, pid: str, slice_: str, ids: list[int], max
     res.top2_margins = [t[0][1] - t[1][1] if len(t) >= 2 else None for t in res.top]
     res.scored_by = [ENDPOINT if t else None for t in res.top]
     res.server_info = response_spec(obj)
+    res.prompt_ids = list(ids)
     return res
 
 
@@ -224,6 +227,92 @@ async def run_rescored(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: li
     return EndpointRun(cfg.base, model, "llama.cpp", True, [LevelRun(conc, wall, results, spec)])
 
 
+async def vllm_answer(api: _Native, model: str, p, chat: bool, max_tokens: int, sampler: dict) -> PromptResult:
+    """One temperature-1 answer from a vLLM endpoint, not streamed, with the prompt's and the
+    answer's token ids (return_token_ids) and every alternative keyed by id."""
+    res = PromptResult(p.id, p.slice)
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 1.0, **sampler, "stream": False,
+            "return_token_ids": True, **TOKEN_IDS_REQUEST["vllm"]}
+    if chat:
+        path = "/v1/chat/completions"
+        body.update(messages=[{"role": "user", "content": p.prompt}], logprobs=True, top_logprobs=TOP_LOGPROBS)
+    else:
+        path = "/v1/completions"
+        body.update(prompt=p.prompt, logprobs=TOP_LOGPROBS)
+    t0 = time.perf_counter()
+    obj = await api.post(path, body)
+    res.latency_s = time.perf_counter() - t0
+    ch = obj["choices"][0]
+    prompt = obj.get("prompt_token_ids") or ch.get("prompt_token_ids")
+    if not prompt or ch.get("token_ids") is None:
+        res.error = "the answer has no prompt_token_ids / token_ids (vLLM before return_token_ids?)"
+        return res
+    toks, lps, margins, ids, tops = [], [], [], [], []
+    _collect_logprobs(ch.get("logprobs"), chat, toks, lps, margins, ids, tops)
+    if ids != list(ch["token_ids"]):
+        res.error = f"logprobs' token ids ({len(ids)}) are not the answer's token_ids ({len(ch['token_ids'])})"
+        return res
+    res.text = (ch.get("message") or {}).get("content") if chat else ch.get("text")
+    res.finish_reason = ch.get("finish_reason")
+    res.prompt_tokens = (obj.get("usage") or {}).get("prompt_tokens", len(prompt))
+    res.completion_tokens = (obj.get("usage") or {}).get("completion_tokens", len(ids))
+    res.tokens, res.token_logprobs, res.top2_margins, res.token_ids, res.top = toks, lps, margins, ids, tops
+    res.scored_by = [ENDPOINT if t else None for t in tops]
+    res.prompt_ids = list(prompt)
+    return res
+
+
+async def vllm_score(ref: _Native, model: str, prompt: list[int], answer: list[int],
+                     sampler: dict) -> list[list[tuple[int, float]]]:
+    """The reference's top-n logprobs at every answer position, from one request: the prompt
+    and the answer as a token-id prompt, scored by prompt_logprobs (the top n plus the
+    scored token where it is outside them: reference-prompt-logprobs convention)."""
+    body = {"model": model, "prompt": list(prompt) + list(answer), "max_tokens": 1, "temperature": 1.0, **sampler,
+            "prompt_logprobs": TOP_LOGPROBS, "stream": False}
+    got = (await ref.post("/v1/completions", body))["choices"][0]["prompt_logprobs"]
+    return [[(int(k), v["logprob"]) for k, v in (got[len(prompt) + j] or {}).items()] for j in range(len(answer))]
+
+
+async def run_rescored_vllm(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: list,
+                            scorer: str = "auto") -> EndpointRun:
+    """run_rescored for two vLLM servers: answers from the endpoint (vllm_answer), every
+    token scored by the reference in one prompt_logprobs request per answer where asked."""
+    conc = cfg.concurrency[0]
+    api, ref = _Native(cfg, conc), _Native(ref_cfg, conc)
+    sampler = sampler_settings("vllm")
+    sem = asyncio.Semaphore(conc)
+
+    async def one(p, model, ref_model) -> PromptResult:
+        async with sem:
+            try:
+                r = await vllm_answer(api, model, p, cfg.chat, cfg.max_tokens, sampler)
+                todo = [j for j in range(len(r.token_ids or [])) if scorer == REFERENCE
+                        or (scorer == "auto" and not r.top[j])]
+                if r.ok and todo:
+                    scored = await vllm_score(ref, ref_model, r.prompt_ids, r.token_ids, sampler)
+                    for j in todo:
+                        r.top[j] = scored[j]
+                        r.scored_by[j] = REFERENCE if scored[j] else None
+                return r
+            except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as e:
+                return PromptResult(p.id, p.slice, error=f"{type(e).__name__}: {e}")
+    try:
+        model = cfg.model or (await api.http.get("/v1/models")).json()["data"][0]["id"]
+        ref_model = ref_cfg.model or (await ref.http.get("/v1/models")).json()["data"][0]["id"]
+        before = await _endpoint_counters(api)
+        t0 = time.perf_counter()
+        results = list(await asyncio.gather(*(one(p, model, ref_model) for p in prompts)))
+        wall = time.perf_counter() - t0
+        after = await _endpoint_counters(api)
+        spec = after.delta(before) if after is not None else None
+    finally:
+        await api.aclose()
+        await ref.aclose()
+    conventions = {ENDPOINT: logprob_convention("vllm", cfg.chat),
+                   REFERENCE: logprob_convention("reference-prompt-logprobs", False)}
+    return EndpointRun(cfg.base, model, "vllm", True, [LevelRun(conc, wall, results, spec)], conventions)
+
+
 async def _endpoint_counters(api: _Native):
     """The endpoint's speculative counters now, once two scrapes agree (None without /metrics)."""
     last = None
@@ -241,8 +330,13 @@ async def _endpoint_counters(api: _Native):
 
 
 def rescored_sampled_run(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: list, tokens: int,
-                         concurrency: int, scorer: str = "auto") -> EndpointRun:
-    """sampled.sampled_run (the token budget, prompts in turn) with answers from run_rescored."""
+                         concurrency: int, scorer: str = "auto", kind: str = "llama.cpp") -> EndpointRun:
+    """sampled.sampled_run (the token budget, prompts in turn) with answers from run_rescored
+    (two llama.cpp servers) or run_rescored_vllm (two vLLM servers)."""
+    if scorer not in SCORERS:
+        raise ValueError(f"scorer must be one of {SCORERS}, got {scorer!r}")
+    rescored = run_rescored_vllm if kind == "vllm" else run_rescored
+
     def run(scfg: EndpointConfig, batch: list) -> EndpointRun:
-        return asyncio.run(run_rescored(scfg, replace(ref_cfg, extra_body=None), batch, scorer))
-    return sampled_run(cfg, "llama.cpp", prompts, tokens, concurrency, run=run)
+        return asyncio.run(rescored(scfg, replace(ref_cfg, extra_body=None), batch, scorer))
+    return sampled_run(cfg, kind, prompts, tokens, concurrency, run=run)

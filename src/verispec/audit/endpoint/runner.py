@@ -40,9 +40,10 @@ from .compare import CompareError, comparison_check, compare_reports, load_repor
 from .counters import SpecCounters
 from . import rescore
 from .kinds import ServerInfo, probe
+from .tokens import ReferenceTokens
 from .null import ALPHA as NULL_ALPHA
 from .null import Comparison, compare, verdict
-from .sampled import distribution_figures, sampled_run, sampler_settings
+from .sampled import DRAFTING_PROMPTS, distribution_figures, drafting_mix, sampled_run, sampler_settings
 
 WORD = re.compile(r"\w+|[^\w\s]|\s+")
 
@@ -213,6 +214,7 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
         raise EndpointError("--only distribution with --sampled-tokens 0: nothing to run")
     base_cfg = replace(ref_cfg or cfg, concurrency=(1,))
     run = base = null_run = reference = srun = None
+    null_runs: list[EndpointRun] = []
     tests, base_results = [], []
     nulls: dict[int, Comparison] = {}
     if greedy:
@@ -245,18 +247,23 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
         why_not = rescore.supported(info.kind, ref_info.kind if ref_info else None)
         if score_with == "reference" and why_not:
             raise EndpointError(f"--score-with reference: {why_not}")
+        sprompts = drafting_mix(prompts)
         try:
             if score_with != "endpoint" and not why_not:
-                srun = rescore.rescored_sampled_run(cfg, ref_cfg, prompts, sampled_tokens, max(concurrency),
-                                                    scorer=score_with)
+                srun = rescore.rescored_sampled_run(cfg, ref_cfg, sprompts, sampled_tokens, max(concurrency),
+                                                    scorer=score_with, kind=info.kind)
             else:
-                srun = sampled_run(cfg, info.kind, prompts, sampled_tokens, max(concurrency))
+                srun = sampled_run(cfg, info.kind, sprompts, sampled_tokens, max(concurrency))
         except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
             raise EndpointError(f"the sampled run at {cfg.base}: {type(e).__name__}: {e}") from None
         checks.append(_distribution(srun, sampled_tokens, info, min_verified_drafts,
                                     None if score_with == "endpoint" or not why_not else why_not))
     if "corruption" in wanted:
-        checks.append(_corruption(run, base_results))
+        toks = ReferenceTokens(ref_cfg or cfg, ref_info.kind if ref_info else info.kind)
+        try:
+            checks.append(_corruption(run, base_results, null_runs, _Signer(toks, prompts, chat)))
+        finally:
+            toks.close()
     if "slices" in wanted:
         checks.append(_slices(run, reference))
     if "load" in wanted:
@@ -407,43 +414,117 @@ def _distribution(srun: EndpointRun, budget: int, info: ServerInfo, min_drafts: 
                       if drafts is not None else "")
                    + (f"; {f['reason']}" if f["reason"] else "") + f"; scored with {f['scored_with']}")
     f["sampler_sent"] = {"temperature": 1.0, **sampler_settings(info.kind)}
+    f["prompts"] = (f"the suite's prompts and {len(DRAFTING_PROMPTS)} copy-heavy prompts in turn (answers that "
+                    "copy their prompt, so that the drafter proposes)")
     return _check("distribution", f["passed"], summary, f, {"answers": f["answers"]})
 
 
 def _pseudo_tokens(text: str) -> list[int]:
-    """Words, punctuation and whitespace runs as ids: the token stand-in for signatures."""
+    """Words, punctuation and whitespace runs as ids: the stand-in where the reference cannot tokenize."""
     ids: dict[str, int] = {}
     return [ids.setdefault(w, len(ids)) for w in WORD.findall(text)]
 
 
-def _signatures(r: PromptResult):
-    from ..corruption import signatures
-    lps = [x for x in (r.token_logprobs or []) if x is not None]
-    ppl = math.exp(-sum(lps) / len(lps)) if lps else None
-    return signatures(_pseudo_tokens(r.text or ""), r.text or "", r.finish_reason == "stop", ppl)
+# the repeated-4-gram and perplexity signatures judge outputs of at least this many tokens
+MIN_SIGNATURE_TOKENS = 16
 
 
-def _corruption(run: EndpointRun, refs: list[PromptResult]) -> dict:
-    from ..corruption import new_signatures
-    ref_sigs = [_signatures(r) if r.ok else None for r in refs]
-    flagged, per_batch = [], []
+class _Signer:
+    """Signatures of outputs on the reference's tokens, perplexity by the reference's score;
+    each text tokenized and scored once."""
+
+    def __init__(self, toks: ReferenceTokens, prompts: list, chat: bool):
+        self.toks, self.chat = toks, chat
+        self.prompt = {p.id: p.prompt for p in prompts}
+        self.words = False  # fell back to words somewhere
+        self._sigs: dict[tuple, object] = {}
+
+    def __call__(self, pid: str, r: PromptResult, score: bool):
+        from ..corruption import signatures
+        key = (pid, r.text or "", r.finish_reason == "stop", score)
+        if key not in self._sigs:
+            text = r.text or ""
+            ids = self.toks.tokenize(text) if text else []
+            if ids is None:
+                self.words = True
+                ids = _pseudo_tokens(text)
+            ppl = (self.toks.perplexity(self.prompt[pid.split("#")[0]], self.chat, ids, r)
+                   if score and not self.words and len(ids) >= MIN_SIGNATURE_TOKENS else None)
+            self._sigs[key] = signatures(ids, text, r.finish_reason == "stop", ppl)
+        return self._sigs[key]
+
+
+def _corruption(run: EndpointRun, refs: list[PromptResult], null_runs: list[EndpointRun], signer: _Signer) -> dict:
+    """Corruption signatures of every endpoint output that differs from the base, judged
+    against the deployment's own null: the reference's outputs that differ from the same base.
+
+    An endpoint output is flagged for a signature it shows and its base output lacks (loop,
+    repeated 4-grams and perplexity on outputs of >= MIN_SIGNATURE_TOKENS reference tokens),
+    unless the null explains it: the reference itself produced the same text for that prompt
+    (at any level, in any null run), or a null output showed the same kind of signature at
+    least as strongly. The check fails on any flag the null does not explain."""
+    from ..corruption import signature_flags
+    null_texts: dict[str, set] = {}
+    null_worst: dict[str, float] = {}  # signature kind -> the null's strongest
+    null_flagged = []
+    for nr in null_runs:
+        for level in nr.levels:
+            for ref, got in zip(refs, level.results):
+                if not ref.ok or not got.ok:
+                    continue
+                null_texts.setdefault(got.id, set()).add(got.text)
+                if got.text == ref.text:
+                    continue
+                flags = signature_flags(signer(got.id, got, True), signer(ref.id, ref, True), MIN_SIGNATURE_TOKENS)
+                for f in flags:
+                    null_worst[f.kind] = max(null_worst.get(f.kind, 0.0), f.severity)
+                if flags:
+                    null_flagged.append({"batch": level.concurrency, "id": got.id, "signatures": [f.message for f in flags],
+                                         "text": (got.text or "")[-200:], "reference": (ref.text or "")[-200:]})
+    flagged, explained, per_batch = [], [], []
     for level in run.levels:
         n = 0
-        for ref, rs, got in zip(refs, ref_sigs, level.results):
-            if rs is None or not got.ok or got.text == ref.text:
+        for ref, got in zip(refs, level.results):
+            if not ref.ok or not got.ok or got.text == ref.text:
                 continue
-            flags = new_signatures(_signatures(got), rs)
-            if flags:
+            flags = signature_flags(signer(got.id, got, True), signer(ref.id, ref, True), MIN_SIGNATURE_TOKENS)
+            if not flags:
+                continue
+            row = {"batch": level.concurrency, "id": got.id, "slice": got.slice,
+                   "signatures": [f.message for f in flags], "text": (got.text or "")[-200:],
+                   "reference": (ref.text or "")[-200:]}
+            if got.text in null_texts.get(got.id, ()):
+                explained.append({**row, "why": "the reference produced the same text in the null run"})
+            elif all(f.severity <= null_worst.get(f.kind, -1.0) for f in flags):
+                explained.append({**row, "why": "the null showed the same signatures at least as strongly"})
+            else:
                 n += 1
-                flagged.append({"batch": level.concurrency, "id": got.id, "slice": got.slice, "signatures": flags,
-                                "text": (got.text or "")[-200:]})
+                flagged.append(row)
         per_batch.append({"batch": level.concurrency, "outputs": len(level.results), "flagged": n})
     total = sum(r["outputs"] for r in per_batch)
-    summary = (f"no new corruption signature in {total} endpoint outputs" if not flagged
-               else f"{len(flagged)} of {total} endpoint outputs show signatures their reference lacks")
-    return _check("corruption", not flagged, summary, {"outputs_checked": total, "flagged": len(flagged),
-                                                       "tokens": "words (the API returns no token ids)"},
-                  {"per_batch": per_batch, "flagged": flagged[:50]})
+    unit = _pseudo_unit(signer)
+    summary = (f"no corruption signature beyond the null in {total} endpoint outputs"
+               + (f" ({len(explained)} explained by the null)" if explained else "")
+               if not flagged else
+               f"{len(flagged)} of {total} endpoint outputs show signatures their reference lacks and the null "
+               f"does not explain") + f"; tokens: {unit}"
+    figures = {"outputs_checked": total, "flagged": len(flagged), "explained_by_null": len(explained),
+               "null_flagged": len(null_flagged), "null_worst": null_worst, "tokens": unit,
+               "min_signature_tokens": MIN_SIGNATURE_TOKENS,
+               "test": "a signature the base output lacks, beyond what the null (the reference diverging from "
+                       "itself) shows: the same text, or the same kind of signature at least as strong, explains "
+                       "it; any unexplained flag fails",
+               "perplexity": "the reference's score of the reference's tokens"}
+    tables = [("Corruption: flagged outputs beside their reference", ["batch", "prompt", "signatures", "output",
+                                                                      "reference (base)"],
+               [[r["batch"], r["id"], "; ".join(r["signatures"]), r["text"], r["reference"]] for r in flagged[:20]])]
+    return _check("corruption", not flagged, summary, figures,
+                  {"per_batch": per_batch, "flagged": flagged[:50], "explained": explained[:50],
+                   "null_flagged": null_flagged[:50], "tables": tables if flagged else []})
+
+
+def _pseudo_unit(signer: _Signer) -> str:
+    return "words, where the reference could not tokenize" if signer.words else signer.toks.unit
 
 
 def _tps(results: list[PromptResult]) -> float | None:

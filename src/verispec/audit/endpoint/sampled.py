@@ -41,6 +41,8 @@ import math
 import random
 from dataclasses import dataclass, replace
 
+from ...drafters.lookup import lookup_continuation
+
 from .client import EndpointConfig, EndpointRun, audit_endpoint
 
 ALPHA = 1e-3
@@ -112,7 +114,7 @@ def logprob_convention(kind: str, chat: bool, n: int = TOP_LOGPROBS) -> Conventi
 
 # what a sampled request adds per server kind so that answers carry token ids (texts collide:
 # two ids can detokenize to the same text, and a top-logprobs dict keyed by text merges them)
-TOKEN_IDS_REQUEST = {"vllm": {"return_tokens_as_token_ids": True}}
+TOKEN_IDS_REQUEST = {"vllm": {"return_tokens_as_token_ids": True, "return_token_ids": True}}
 
 
 def pit_top_n(chosen, top: list[tuple], rng: random.Random, buckets: int | None = None) -> tuple[float, bool] | None:
@@ -137,6 +139,60 @@ def pit_top_n(chosen, top: list[tuple], rng: random.Random, buckets: int | None 
             return min(1.0, before + rng.random() * p), True
         before += p
     return min(1.0, listed + rng.random() * (1.0 - listed)), False
+
+
+# Prompts whose answers copy text from the prompt, so that the deployment's drafter proposes
+# (prompt lookup and suffix drafters draft only on a match; a draft model agrees most where
+# the answer is predictable): a sampled phase of the suite's open questions alone can verify
+# few drafts at temperature 1 (vLLM ngram on SmolLM2: 774 draft tokens in 2,029 emitted,
+# 3% accepted), and a check that verified few drafts has little power over the verifier.
+# The sampled phase takes these in turn with the suite's prompts; exactness holds for any prompt.
+DRAFTING_PROMPTS = (
+    "Repeat this text exactly: the cat sat on the mat and the dog sat on the log and the bird sat on the tree.",
+    "Copy the following list, one item per line: red, green, blue, yellow, orange, purple, black, white.",
+    "Say 'hello world' ten times.",
+    "Write the numbers from 1 to 30 separated by commas.",
+    "Rewrite this JSON with the age changed to 31: {\"name\": \"Ada\", \"age\": 30, \"city\": \"London\", "
+    "\"languages\": [\"English\", \"French\"]}",
+    "Quote the first sentence of this paragraph, then summarise it: The river rose all night. By morning the "
+    "bridge was gone, and the village was cut off from the road to the market town.",
+    "Fix the typo and repeat the sentence: The quick brown fox jumsp over the lazy dog near the river bank.",
+    "Continue the pattern for three more lines: A1 B2 C3, A1 B2 C3, A1 B2 C3,",
+)
+
+
+def drafting_mix(prompts: list) -> list:
+    """The suite's prompts and DRAFTING_PROMPTS, taken in turn (the sampled phase's prompts)."""
+    from ..suite import SuitePrompt
+    extra = [SuitePrompt(f"copy-{i:02d}", "copy (sampled phase)", t) for i, t in enumerate(DRAFTING_PROMPTS)]
+    out = []
+    for i in range(max(len(prompts), len(extra))):
+        out += ([prompts[i]] if i < len(prompts) else []) + ([extra[i]] if i < len(extra) else [])
+    return out
+
+
+# prompt lookup as vLLM's `ngram` and llama.cpp's ngram drafters configure it: the token that
+# followed the most recent earlier match of the last 4..2 tokens
+LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 4, 2
+LOOKUP_MIN_POSITIONS = 30  # fewer positions with a lookup candidate: the test is not run
+
+
+def lookup_test(points: list[tuple[float, bool]]) -> dict | None:
+    """The drafted-token test over positions where prompt lookup has a candidate d (fixed by
+    the context before the draw, so whatever the server drafted there, an exact sampler
+    emits d with probability p(d)): the number of positions that emitted d against the sum
+    of p(d), a two-sided normal test (variance sum p(1-p)). A relaxed acceptance rule emits
+    a drafted token more often than p (min(1, c p) for prompt lookup, whose q is one-hot);
+    None with fewer than LOOKUP_MIN_POSITIONS positions."""
+    from scipy.stats import norm
+    if len(points) < LOOKUP_MIN_POSITIONS:
+        return None
+    hits = sum(x for _, x in points)
+    expected = sum(p for p, _ in points)
+    var = sum(p * (1 - p) for p, _ in points)
+    z = (hits - expected) / math.sqrt(var) if var > 0 else 0.0
+    return {"positions": len(points), "emitted_candidate": hits, "expected": expected, "z": z,
+            "p_value": float(2 * norm.sf(abs(z)))}
 
 
 ENDPOINT, REFERENCE = "endpoint", "reference"  # who scored a token: its own logprobs, or the reference's
@@ -190,6 +246,7 @@ def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, 
                    **(run.conventions or {})}
     seen = {"entries_per_token": {}, "sampled_listed": 0, "tokens": 0}  # the endpoint's lists, as they came
     us, listed, unscored, errors = [], 0, 0, 0
+    lookup_points: list[tuple[float, bool]] = []  # (p(d), emitted d) where prompt lookup has a candidate d
     scorers: dict[str, int] = {}  # scored tokens per scorer ("endpoint" / "reference")
     per_token: dict[str, str] = {}  # answers that say per token who scored it (rescore.py)
     emitted, without = 0, 0  # tokens the server says it emitted; those that came with no logprobs at all
@@ -205,7 +262,17 @@ def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, 
         ids = r.token_ids or [None] * len(r.tokens or [])
         who = r.scored_by or [ENDPOINT] * len(r.tokens or [])
         marks = []
+        known = all(isinstance(t, int) for t in ids) and len(ids) == got_n  # the context, for prompt lookup
+        context = list(r.prompt_ids or []) if known else None
         for tid, text, top, by in zip(ids, r.tokens or [], r.top or [], who):
+            if context is not None:
+                cand = lookup_continuation(context, 1, LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM)
+                buckets = sorted((kv for kv in top if kv[1] is not None and math.isfinite(kv[1])),
+                                 key=lambda kv: -kv[1])[:conventions[by or ENDPOINT].buckets] if top else []
+                p_cand = next((math.exp(lp) for k, lp in buckets if k == cand[0]), None) if cand else None
+                if p_cand is not None:  # d among the draw-independent entries: its p is known, not chosen by the draw
+                    lookup_points.append((min(p_cand, 1.0), tid == cand[0]))
+                context.append(tid)
             if not top:  # listed, but with no logprobs (llama.cpp's native answer, a verification step's token)
                 without += 1
                 marks.append("-")
@@ -264,8 +331,14 @@ def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, 
                               + (f"; {coverage_gap}" if without else ""))
         return figures
     t = test_uniform(us)
-    reasons = ([] if t.passed(alpha) else [f"KS p = {t.p_value:.3g} < {alpha:g}: the sampled tokens do not follow "
-                                           "the logprobs"]) + ([f"{errors} sampled request(s) failed"] if errors else [])
+    lk = lookup_test(lookup_points)
+    a = alpha / 2 if lk else alpha  # Bonferroni over the tests run
+    reasons = ([] if t.passed(a) else [f"KS p = {t.p_value:.3g} < {a:g}: the sampled tokens do not follow "
+                                       "the logprobs"]) + ([f"{errors} sampled request(s) failed"] if errors else [])
+    if lk and lk["p_value"] < a:
+        reasons.append(f"drafted-token test p = {lk['p_value']:.3g} < {a:g}: where prompt lookup proposes d, d was "
+                       f"emitted {lk['emitted_candidate']} times against {lk['expected']:.1f} expected from p(d) "
+                       f"({lk['positions']} positions, z = {lk['z']:.1f})")
     if without > MISSING_LOGPROBS_TOLERANCE * emitted:  # a pass of a selected subset is no pass
         reasons.append(f"inconclusive: {coverage_gap}")
     if contradiction:  # the buckets would then depend on the draw: the PIT means nothing
@@ -274,7 +347,15 @@ def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, 
     figures.update(ks_statistic=t.ks_statistic, p_value=t.p_value, passed=not reasons, histogram=t.histogram,
                    mean_u=sum(us) / len(us), reason="; ".join(reasons) or None)
     figures["tests"] = [{"test": "pit", "kind": "KS vs Uniform(0,1), top-n + tail", "n": t.n,
-                         "statistic": t.ks_statistic, "p_value": t.p_value, "alpha": alpha,
-                         "passed": t.passed(alpha), "histogram": t.histogram}]
-    figures.update(correction="one test", verified_drafts="not visible from outside", min_verified_drafts="-")
+                         "statistic": t.ks_statistic, "p_value": t.p_value, "alpha": a,
+                         "passed": t.passed(a), "histogram": t.histogram}]
+    if lk:
+        figures["tests"].append({"test": "drafted-token", "kind": "emitted == prompt-lookup candidate vs sum p(d), "
+                                 "two-sided normal", "n": lk["positions"], "statistic": lk["z"],
+                                 "p_value": lk["p_value"], "alpha": a, "passed": lk["p_value"] >= a,
+                                 "emitted_candidate": lk["emitted_candidate"], "expected": lk["expected"]})
+    figures.update(correction="Bonferroni over 2 tests" if lk else "one test", lookup=lk or {
+        "positions": len(lookup_points), "note": f"not run: fewer than {LOOKUP_MIN_POSITIONS} positions with a "
+                                                 "prompt-lookup candidate among the draw-independent entries"},
+        verified_drafts="not visible from outside", min_verified_drafts="-")
     return figures

