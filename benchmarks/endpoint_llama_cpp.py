@@ -83,7 +83,11 @@ def summary_markdown(report: dict, png: str | None, command: str) -> str:
     srv, launch = rec["server"], rec.get("launch") or {}
     machine = rec.get("machine_load") or {}
     rows = level_rows(report)
-    out = [f"# llama.cpp's server audited by `verispec audit --endpoint`: {report['verdict'].upper()}", "",
+    kind = srv["kind"]
+    names = {"llama.cpp": ("llama.cpp's server", "llama-server's `llamacpp:spec_decode_*` and `tokens_predicted_total`"),
+             "vllm": ("vLLM", "vLLM's `vllm:spec_decode_*` and `generation_tokens_total`")}
+    title, counters = names.get(kind, (kind, "the server's speculative counters"))
+    out = [f"# {title} audited by `verispec audit --endpoint`: {report['verdict'].upper()}", "",
            f"Written by `{command}` (started {rec['started_at']}, {report['elapsed_s']:.0f} s"
            + (f"; 1-minute load average {machine['before'][0]:.2f} before, {machine['after'][0]:.2f} after, "
               f"on {machine['cpus']} CPUs" if machine else "") + "). Files: [report.md](report.md), "
@@ -110,18 +114,17 @@ def summary_markdown(report: dict, png: str | None, command: str) -> str:
                      f"{'pass' if dist['passed'] else 'FAIL'}: KS p = {_x(f.get('p_value'), '.3g')} over {f['n']} "
                      f"scored tokens{cover}, scored with {f.get('scored_with')}"
                      + (f"; {f['reason']}" if f.get("reason") else "")))
-    head += [(f"Acceptance at c{rows[0]['c']} (llama.cpp counters)",
+    head += [(f"Acceptance at c{rows[0]['c']} ({kind} counters)",
               f"{_x(first['pooled_acceptance_rate'], '.1%')}, {_x(first['pooled_mean_accepted_length'])} tokens "
               f"per verification step, per position {first['pooled_acceptance_per_position'] and [round(a, 3) for a in first['pooled_acceptance_per_position']]}"),
-             ("Answers' `timings.draft_n{,_accepted}` sum to the counters", str(first["responses_agree_with_counters"])),
+             ("Answers' own speculative fields sum to the counters", str(first["responses_agree_with_counters"])),
              ("Speed (speculative / plain, tokens per second of wall time)", "; ".join(
                  f"c{r['c']}: {_x(r['spec_tps'], '.1f')} / {_x(r['plain_tps'], '.1f')} = {_x(r['speedup'])}x"
                  for r in rows))]
     out += ["## Headline figures", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in head] + [""]
-    out += ["## Speed per concurrency level beside llama.cpp's own counters", "",
+    out += [f"## Speed per concurrency level beside {title}'s own counters", "",
             "Speed: completion tokens over the level's wall time; ms/token: each answer's latency over its tokens, "
-            "averaged. Counters: differences of llama-server's `llamacpp:spec_decode_*` and "
-            "`tokens_predicted_total` over the level.", "",
+            f"averaged. Counters: differences of {counters} over the level.", "",
             "| concurrency | speculative tok/s | plain tok/s | speedup | ms/token spec / plain | tokens predicted "
             "| verification steps | draft tokens | accepted | acceptance | tokens per step | accepted per position |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -159,7 +162,7 @@ def render(report: dict, out: Path, command: str) -> dict[str, Path]:
               f"{c['summary']}")
     for r in level_rows(report):
         print(f"  c{r['c']}: {_x(r['spec_tps'], '.1f')} tok/s vs plain {_x(r['plain_tps'], '.1f')} "
-              f"({_x(r['speedup'])}x); llama.cpp counters: {_x(r['draft_tokens'], '.0f')} drafted, "
+              f"({_x(r['speedup'])}x); server counters: {_x(r['draft_tokens'], '.0f')} drafted, "
               f"{_x(r['accepted'], '.0f')} accepted in {_x(r['drafts'], '.0f')} verification steps, "
               f"per position {json.dumps(r['per_pos'])}")
     print(f"reports: {', '.join(str(p) for p in paths.values())}" + (f", {out / png}" if png else ""))
