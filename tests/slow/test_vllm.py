@@ -52,10 +52,8 @@ def plain(model_dir):
 
 @pytest.fixture(scope="module")
 def prompts():
-    by_slice: dict[str, list] = {}
-    for p in load_suite("default"):
-        by_slice.setdefault(p.slice, []).append(p)
-    return [p for ps in by_slice.values() for p in ps[:2]]  # 16 prompts, every slice
+    from verispec.audit.context import select_prompts
+    return select_prompts(load_suite("default"), 2)  # the quick audit's 16 prompts, 2 a slice
 
 
 def _audit(url, ref, prompts, **kw):
