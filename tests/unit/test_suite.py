@@ -107,3 +107,18 @@ def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
         load_suite(str(path))
     assert str(path) in str(e.value)
+
+
+def test_select_prompts_default_seed_takes_each_slices_first_and_other_seeds_sample_reproducibly():
+    from verispec.audit.context import select_prompts
+
+    suite = load_suite("default")
+    first = select_prompts(suite, 2)
+    assert [p.id for p in first] == [p.id for g in slices(suite).values() for p in g[:2]]
+    a, b = select_prompts(suite, 2, seed=3), select_prompts(suite, 2, seed=3)
+    assert [p.id for p in a] == [p.id for p in b]  # reproducible
+    assert {p.slice for p in a} == {p.slice for p in suite}  # every slice keeps its share
+    assert len(a) == len(first)
+    others = [[p.id for p in select_prompts(suite, 2, seed=s)] for s in range(1, 6)]
+    assert any(o != [p.id for p in first] for o in others)  # the seed chooses other prompts
+    assert select_prompts(suite, None, seed=3) == list(suite)

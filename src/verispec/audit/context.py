@@ -4,6 +4,7 @@ the target, a drafter factory, the encoded prompts and the greedy runs they shar
 from __future__ import annotations
 
 import contextlib
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -160,10 +161,15 @@ def encode(tokenizer, text: str, chat: bool) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
-def select_prompts(prompts: list[SuitePrompt], per_slice: int | None) -> list[SuitePrompt]:
+def select_prompts(prompts: list[SuitePrompt], per_slice: int | None, seed: int = 0) -> list[SuitePrompt]:
+    """per_slice prompts of each slice (None: all): the first ones with seed 0, so that audits
+    with the default seed compare on the same prompts; a seeded sample of each slice otherwise."""
     if per_slice is None:
         return list(prompts)
-    return [p for group in slices(prompts).values() for p in group[:per_slice]]
+    if seed == 0:
+        return [p for group in slices(prompts).values() for p in group[:per_slice]]
+    rng = random.Random(seed)
+    return [p for group in slices(prompts).values() for p in rng.sample(group, min(per_slice, len(group)))]
 
 
 @dataclass

@@ -28,6 +28,7 @@ import datetime
 import math
 import os
 import platform
+import random
 import re
 import sys
 import time
@@ -113,7 +114,8 @@ def cmd_endpoint_audit(args) -> int:
     from ..suite import load_suite
 
     suite = load_suite(args.suite)
-    prompts = select_prompts(suite, 2 if getattr(args, "quick", False) else None)
+    seed = getattr(args, "seed", 0)
+    prompts = select_prompts(suite, 2 if getattr(args, "quick", False) else None, seed)
     try:
         previous = load_report(args.compare_to) if args.compare_to else None
     except CompareError as e:
@@ -126,7 +128,8 @@ def cmd_endpoint_audit(args) -> int:
                                     concurrency=args.concurrency, suite_spec=args.suite, suite_size=len(suite),
                                     null_repeats=args.null_repeats, sampled_tokens=args.sampled_tokens,
                                     previous=previous, score_with=args.score_with, only=tuple(getattr(args, "only", None) or ()),
-                                    min_verified_drafts=getattr(args, "min_verified_drafts", MIN_VERIFIED_DRAFTS))
+                                    min_verified_drafts=getattr(args, "min_verified_drafts", MIN_VERIFIED_DRAFTS),
+                                    seed=seed)
     except EndpointError as e:
         print(f"verispec audit --endpoint: cannot audit: {e}", file=sys.stderr)
         return 2
@@ -165,7 +168,8 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
                        concurrency: tuple[int, ...] = (1, 8), suite_spec: str = "default",
                        suite_size: int | None = None, alpha: float = NULL_ALPHA, null_repeats: int = 1,
                        sampled_tokens: int = 0, previous: dict | None = None, score_with: str = "auto",
-                       only: tuple[str, ...] = (), min_verified_drafts: int = MIN_VERIFIED_DRAFTS) -> dict:
+                       only: tuple[str, ...] = (), min_verified_drafts: int = MIN_VERIFIED_DRAFTS,
+                       seed: int = 0) -> dict:
     """Run the endpoint, its reference and the reference's null runs over the prompts; the
     report as a dict in the offline audit's format (audit.report.write_reports renders it).
 
@@ -183,7 +187,10 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
     compared with this one as a gate (compare.py). only: the checks to run (ENDPOINT_CHECKS;
     empty: all); the greedy runs are made only for the checks that read them.
     min_verified_drafts: a speculative server's sampled phase verifies at least this many
-    draft tokens (its counters' difference over the phase) or the check is inconclusive."""
+    draft tokens (its counters' difference over the phase) or the check is inconclusive.
+    seed: the sampled phase's prompt order and the distribution check's tie-breaks (the
+    prompts themselves are chosen by the caller: context.select_prompts); no seed is sent to
+    the server, whose own draws stay unseeded as a deployment's are."""
     if null_repeats < 1:
         raise ValueError(f"null_repeats must be >= 1, got {null_repeats}")
     unknown = set(only) - set(ENDPOINT_CHECKS)
@@ -248,6 +255,8 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
         if score_with == "reference" and why_not:
             raise EndpointError(f"--score-with reference: {why_not}")
         sprompts = drafting_mix(prompts)
+        if seed:
+            random.Random(seed).shuffle(sprompts)
         try:
             if score_with != "endpoint" and not why_not:
                 srun = rescore.rescored_sampled_run(cfg, ref_cfg, sprompts, sampled_tokens, max(concurrency),
@@ -257,7 +266,7 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
         except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
             raise EndpointError(f"the sampled run at {cfg.base}: {type(e).__name__}: {e}") from None
         checks.append(_distribution(srun, sampled_tokens, info, min_verified_drafts,
-                                    None if score_with == "endpoint" or not why_not else why_not))
+                                    None if score_with == "endpoint" or not why_not else why_not, seed))
     if "corruption" in wanted:
         toks = ReferenceTokens(ref_cfg or cfg, ref_info.kind if ref_info else info.kind)
         try:
@@ -270,9 +279,12 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
         checks.append(_load(run, reference))
     record = _record(run or srun, reference, info, ref_info, reference_kind, prompts, chat, max_tokens, concurrency,
                      suite_spec, suite_size, started)
+    record["suite"]["audit_seed"] = seed  # the prompts chosen, the sampled phase's order, the tie-breaks
+    record["suite"]["prompt_ids"] = [p.id for p in prompts]
     dist = next((c for c in checks if c["name"] == "distribution"), None)
     if dist is not None:
         record["sampling"]["distribution_check"] = {"sent": dist["figures"]["sampler_sent"], "seed": "none sent",
+                                                    "audit_seed": seed,
                                                     "top_logprobs": dist["figures"]["top_logprobs"]}
     audited = run or srun
     checks.append(_check("record", True, f"endpoint {audited.url} ({info.kind} {info.version or 'version unknown'}), "
@@ -381,11 +393,11 @@ def _speculates(info: ServerInfo, counters: SpecCounters | None) -> bool | None:
 
 
 def _distribution(srun: EndpointRun, budget: int, info: ServerInfo, min_drafts: int,
-                  no_reference: str | None = None) -> dict:
+                  no_reference: str | None = None, seed: int = 0) -> dict:
     """no_reference: why the tokens sent without logprobs could not be scored by the reference.
     A speculative endpoint whose sampled phase verified fewer than min_drafts draft tokens
     (its counters' difference over the phase) has not shown its verifier exact: inconclusive."""
-    f = distribution_figures(srun, min_tokens=min(200, budget))
+    f = distribution_figures(srun, seed=seed, min_tokens=min(200, budget))
     if no_reference and f["tokens_without_logprobs"]:
         f["reason"] = "; ".join(x for x in (f["reason"], f"not scored by a reference: {no_reference}") if x)
     counters = _phase_counters(srun)
