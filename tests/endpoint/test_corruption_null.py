@@ -18,7 +18,7 @@ class FakeTokens:
     def tokenize(self, text):
         return [ord(c) for c in text]
 
-    def perplexity(self, prompt, chat, ids, own):
+    def perplexity(self, prompt, chat, ids):
         text = "".join(chr(i) for i in ids)
         self.scored.append(text)
         return self.ppl.get(text, 1.5)
@@ -75,3 +75,33 @@ def test_garbled_text_fails_on_the_references_perplexity_and_a_null_as_bad_expla
     worse = "Paris is the capital of zzq qqq vvv wibble wobble flumph, said nobody at all."
     c = _check([BASE[0], BASE[1], garbled], [BASE[0], BASE[1], worse], ppl={garbled: 12.0, worse: 20.0})
     assert c["passed"] and c["figures"]["explained_by_null"] == 1 and c["figures"]["null_worst"]["perplexity"] > 8
+
+
+def test_a_verispec_reference_scores_a_text_with_its_prompt_logprobs_never_the_endpoints_own():
+    """ReferenceTokens on a verispec reference: the text's ids from its /tokenize, the
+    perplexity from prompt_logprobs over the chat prompt's ids plus those, whatever logprobs
+    the audited endpoint sent with its answer."""
+    import math
+
+    import httpx
+
+    from tests.server.helpers import LiveServer, make_state
+    from verispec.audit.endpoint.client import EndpointConfig
+    from verispec.audit.endpoint.tokens import ReferenceTokens
+
+    with LiveServer(make_state(drafter=None)) as s:
+        toks = ReferenceTokens(EndpointConfig(s.url), "verispec")
+        try:
+            text = "the cat sat on the mat"
+            ids = toks.tokenize(text)
+            assert ids and len(ids) == len(text)  # CharTokenizer: one id a character
+            msgs = [{"role": "user", "content": "say it"}]
+            prompt = httpx.post(s.url + "/tokenize", json={"messages": msgs}).json()["tokens"]
+            pl = httpx.post(s.url + "/v1/completions", json={"prompt": prompt + ids, "max_tokens": 1,
+                                                             "prompt_logprobs": 0}).json()["choices"][0]
+            lps = [pl["prompt_logprobs"][len(prompt) + j][str(t)]["logprob"] for j, t in enumerate(ids)]
+            assert toks.perplexity("say it", True, ids) == math.exp(-sum(lps) / len(lps))
+            garbled = toks.tokenize("tthe cacat sat sat ee mmmat")
+            assert toks.perplexity("say it", True, garbled) > toks.perplexity("say it", True, ids)
+        finally:
+            toks.close()

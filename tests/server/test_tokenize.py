@@ -30,3 +30,47 @@ def test_tokenize_refuses_what_it_cannot_use(server, body, status):
 
 def test_tokenize_needs_the_key(server):
     assert httpx.post(server.url + "/tokenize", json={"content": "x"}).status_code == 401
+
+
+def test_tokenize_messages_gives_the_chat_prompts_ids(server):
+    msgs = [{"role": "user", "content": "hi there"}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": msgs}, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200
+    assert r.json()["tokens"] == CharTokenizer().apply_chat_template(msgs, add_generation_prompt=True)
+    bad = httpx.post(server.url + "/tokenize", json={"messages": "hi there"},
+                     headers={"Authorization": "Bearer k"})
+    assert bad.status_code == 400 and "error" in bad.json()
+
+
+def test_prompt_logprobs_score_every_prompt_token_as_vllm_lists_them(server):
+    """The reference's score of a text (the audit's corruption perplexity): each prompt token
+    after the first, the same logprob as the answer's own logprobs give it when it is emitted."""
+    h = {"Authorization": "Bearer k"}
+    tok = CharTokenizer()
+    ids = tok.encode("the cat sat")
+    r = httpx.post(server.url + "/v1/completions", headers=h,
+                   json={"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    pl = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None
+    for t, entry in zip(ids[1:], pl[1:]):
+        assert str(t) in entry and all(set(v) == {"logprob", "rank", "decoded_token"} for v in entry.values())
+        ranked = sorted((v["rank"], v["logprob"]) for v in entry.values() if v["rank"] is not None)
+        assert [r for r, _ in ranked] == [1, 2] and ranked[0][1] >= ranked[1][1]
+    # the same tokens scored as an answer: the answer's own logprobs after the first token
+    a = httpx.post(server.url + "/v1/completions", headers=h,
+                   json={"prompt": ids[:1], "max_tokens": len(ids) - 1, "temperature": 0, "logprobs": 0,
+                         "ignore_eos": True}).json()["choices"][0]["logprobs"]
+    greedy = a["token_ids"]
+    got = httpx.post(server.url + "/v1/completions", headers=h,
+                     json={"prompt": ids[:1] + greedy, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    scored = [e[str(t)]["logprob"] for t, e in zip(greedy, got["choices"][0]["prompt_logprobs"][1:])]
+    assert scored == pytest.approx(a["token_logprobs"], abs=1e-5)
+
+
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 21}, {"prompt_logprobs": -1},
+                                   {"prompt_logprobs": 0, "stream": True}])
+def test_prompt_logprobs_refused_clearly(server, extra):
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": "Bearer k"},
+                   json={"prompt": "ab", "max_tokens": 1, **extra})
+    assert r.status_code == 400 and "prompt_logprobs" in r.text

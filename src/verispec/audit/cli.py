@@ -52,15 +52,6 @@ def _checks(s: str) -> tuple[str, ...]:
     return names
 
 
-def _fault(s: str) -> str:
-    from ..engine.faults import parse
-    try:
-        parse(s)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return s
-
-
 def add_audit_parser(sub) -> None:
     from ..verify import RULES
     from .context import CHECKS
@@ -117,7 +108,8 @@ def add_audit_parser(sub) -> None:
                         + "; the verdict then covers only those")
     from ..cli import add_backend_argument
     add_backend_argument(a)
-    a.add_argument("--inject-fault", type=_fault, default=None, help=argparse.SUPPRESS)
+    from ..engine.faults import argument as fault_argument
+    a.add_argument("--inject-fault", type=fault_argument, default=None, help=argparse.SUPPRESS)
     a.set_defaults(func=cmd_audit)
 
 

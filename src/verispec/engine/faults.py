@@ -50,6 +50,16 @@ EXPECTED_CHECK = {
 }
 
 
+def argument(s: str) -> str:
+    """argparse type of the hidden, test-only --inject-fault options (audit and serve)."""
+    import argparse
+    try:
+        parse(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
 def parse(name: str) -> tuple[str, float | None]:
     """'relaxed-acceptance:1.25' -> ('relaxed-acceptance', 1.25); a fault without a
     parameter -> (name, None). Raises ValueError naming the valid faults."""

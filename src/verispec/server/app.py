@@ -451,11 +451,17 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
         """A text's token ids under the served model's tokenizer, as llama.cpp's and vLLM's
         /tokenize give them (the audit tokenizes outputs with the reference's own
         tokenizer): {"content" or "prompt": text, "add_special" / "add_special_tokens":
-        bool, default false} -> {"tokens": [...], "count": n}."""
+        bool, default false} -> {"tokens": [...], "count": n}; or, as vLLM's, {"messages":
+        [...]} -> the ids of the chat template with the generation prompt, as a chat request
+        would be prefilled."""
         state.authorize(request)
         body = await read_json(request, state.config.max_body_bytes)
         if not isinstance(body, dict):
             raise OpenAIError(400, "the body must be a JSON object", code="invalid_value")
+        if "messages" in body:
+            chat = parse(ChatRequest, {"messages": body["messages"]})
+            ids = await state.chat_ids(chat)
+            return {"tokens": ids, "count": len(ids)}
         text = body.get("content", body.get("prompt"))
         if not isinstance(text, str):
             raise OpenAIError(400, "'content' (or 'prompt') must be a string", param="content",
@@ -583,6 +589,9 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
                       "logprobs": lps, "finish_reason": handle.finish_reason}
         else:
             choice = {"index": 0, "text": handle.text, "logprobs": lps, "finish_reason": handle.finish_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = [None] + [_prompt_logprob(e) for e in await state.score(
+                    ids[:1], ids[1:], req.prompt_logprobs)]
         body = {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                 "usage": usage, "verispec": _verispec_info(spec, handle)}
         return JSONResponse(body, headers=headers)
@@ -629,6 +638,16 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
             return
 
     return app
+
+
+def _prompt_logprob(e: dict) -> dict:
+    """vLLM's prompt_logprobs entry: {token id: {logprob, rank, decoded_token}} for the
+    scored token and its likeliest alternatives (rank 1: the most probable)."""
+    out = {str(t["id"]): {"logprob": t["logprob"], "rank": r, "decoded_token": t["token"]}
+           for r, t in enumerate(e["top_logprobs"], 1)}
+    # outside the listed alternatives: the scored token is listed too, its rank not computed
+    out.setdefault(str(e["id"]), {"logprob": e["logprob"], "rank": None, "decoded_token": e["token"]})
+    return out
 
 
 def _logprobs_object(entries: list[dict], chat: bool) -> dict:

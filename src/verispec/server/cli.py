@@ -105,6 +105,9 @@ def add_serve_parser(sub) -> None:
     from ..cli import add_backend_argument
     add_backend_argument(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    from ..engine.faults import argument as fault_argument
+    # test only: a server with one of the project's faults, for the endpoint audit to catch from outside
+    s.add_argument("--inject-fault", type=fault_argument, default=None, help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
 
 
@@ -149,8 +152,6 @@ def _is_loopback(host: str) -> bool:
 
 
 def cmd_serve(args) -> int:
-    from .app import make_server
-
     api_key, key_source = resolve_api_key(args)
     if args.verify == "typical-lossy" and args.draft:
         print("WARNING: --verify typical-lossy is LOSSY: sampled output is NOT distributed as the target's; "
@@ -161,6 +162,18 @@ def cmd_serve(args) -> int:
     if key_source == "--api-key":
         print("note: --api-key is visible to other users in the process list; --api-key-file or "
               f"${ENV_API_KEY} keep it out of argv", file=sys.stderr)
+    fault = getattr(args, "inject_fault", None)
+    if fault:
+        from ..engine.faults import inject
+        print(f"TEST ONLY: injecting fault {fault!r}", file=sys.stderr)
+        with inject(fault):  # patches the process for the server's lifetime
+            return _serve(args, api_key, key_source)
+    return _serve(args, api_key, key_source)
+
+
+def _serve(args, api_key, key_source) -> int:
+    from .app import make_server
+
     state = build_state(args, api_key)
     server = make_server(state, host=args.host, port=args.port, log_level=args.log_level)
     auth = (f"API key from {key_source}" + (", /metrics public" if args.metrics_public else "")

@@ -88,6 +88,9 @@ class CompletionRequest(_Common):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = None
     echo: Optional[bool] = False
+    # vLLM's extension: the target's logprob of every prompt token (after the first) and of
+    # its `prompt_logprobs` likeliest alternatives; how an audit scores a text by this server
+    prompt_logprobs: Optional[int] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
@@ -207,6 +210,12 @@ def check_completion(req: CompletionRequest) -> None:
         _check_logprobs(req, req.logprobs, "logprobs")
     if req.echo:
         raise unsupported("echo")
+    if req.prompt_logprobs is not None:
+        if not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise OpenAIError(400, f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got "
+                                   f"{req.prompt_logprobs}", param="prompt_logprobs", code="invalid_value")
+        if req.stream:
+            raise unsupported("prompt_logprobs", "prompt_logprobs with stream")
     if req.best_of not in (None, 1):
         raise unsupported("best_of", "best_of > 1")
     if req.suffix:

@@ -460,7 +460,7 @@ class _Signer:
             if ids is None:
                 self.words = True
                 ids = _pseudo_tokens(text)
-            ppl = (self.toks.perplexity(self.prompt[pid.split("#")[0]], self.chat, ids, r)
+            ppl = (self.toks.perplexity(self.prompt[pid.split("#")[0]], self.chat, ids)
                    if score and not self.words and len(ids) >= MIN_SIGNATURE_TOKENS else None)
             self._sigs[key] = signatures(ids, text, r.finish_reason == "stop", ppl)
         return self._sigs[key]

@@ -8,14 +8,16 @@ therefore tokenized by the *reference* server's own tokenizer (``/tokenize``: ll
 vLLM, verispec), and its perplexity is the reference's score of those tokens after the
 prompt:
 
-* vLLM: one /v1/completions request with the prompt's ids (its own chat template, from
-  /tokenize with messages) plus the output's, ``prompt_logprobs`` = 0: each token's logprob;
+* vLLM and verispec: one /v1/completions request with the prompt's ids (its own chat
+  template, from /tokenize with messages) plus the output's, ``prompt_logprobs`` = 0: each
+  token's logprob;
 * llama.cpp: its OpenAI routes score no prompt, so one /completion request a position
   (rescore.score_position, the slot keeping the prefix); a token outside the top-n listed
   is given the n-th logprob, a bound that can only lower the perplexity (a flag is then
   never the bound's doing);
-* verispec: the answers' own logprobs are the target's, teacher-forced over prompt +
-  answer, under the reference's tokenizer (same model, same ids): they are the score.
+
+Never the endpoint's own logprobs: a server whose cache is broken scores its own output with
+the same broken cache.
 
 Where the reference cannot tokenize (no /tokenize route), the check falls back to words and
 says so.
@@ -28,7 +30,7 @@ import math
 
 import httpx
 
-from .client import EndpointConfig, PromptResult
+from .client import EndpointConfig
 
 WORDS = "words (the reference has no /tokenize)"
 
@@ -70,7 +72,7 @@ class ReferenceTokens:
         return ids
 
     def _prompt_ids(self, prompt: str, chat: bool) -> list[int]:
-        if self.kind == "vllm":
+        if self.kind in ("vllm", "verispec"):
             body = ({"model": self.model(), "messages": [{"role": "user", "content": prompt}],
                      "add_generation_prompt": True} if chat else {"model": self.model(), "prompt": prompt})
             r = self.http.post("/tokenize", json=body)
@@ -86,17 +88,13 @@ class ReferenceTokens:
                 await api.aclose()
         return asyncio.run(ids())
 
-    def token_logprobs(self, prompt: str, chat: bool, ids: list[int], own: PromptResult) -> list[float] | None:
+    def token_logprobs(self, prompt: str, chat: bool, ids: list[int]) -> list[float] | None:
         """The reference's logprob of each of `ids` after the prompt (None: it cannot score)."""
         if not ids:
             return None
-        if self.kind == "verispec":  # the answer's own logprobs: the target's, teacher-forced
-            lps = own.token_logprobs or []
-            return [x for x in lps if x is not None] if len(lps) == len(ids) and all(
-                x is not None for x in lps) else None
         try:
             prompt_ids = self._prompt_ids(prompt, chat)
-            if self.kind == "vllm":
+            if self.kind in ("vllm", "verispec"):
                 body = {"model": self.model(), "prompt": prompt_ids + list(ids), "max_tokens": 1,
                         "temperature": 0.0, "prompt_logprobs": 0}
                 r = self.http.post("/v1/completions", json=body)
@@ -125,8 +123,8 @@ class ReferenceTokens:
             await api.aclose()
         return out
 
-    def perplexity(self, prompt: str, chat: bool, ids: list[int], own: PromptResult) -> float | None:
-        lps = self.token_logprobs(prompt, chat, ids, own)
+    def perplexity(self, prompt: str, chat: bool, ids: list[int]) -> float | None:
+        lps = self.token_logprobs(prompt, chat, ids)
         if not lps:
             return None
         return math.exp(-sum(lps) / len(lps))

@@ -1,0 +1,86 @@
+"""Corruption judged from outside catches a server that truly corrupts its output: `verispec
+serve` on SmolLM2 with prompt lookup and a row-bookkeeping fault from the project's fault
+list (engine/faults.py `row-leak`: a row's pending token leaks into its neighbour's verify
+input every 5th step), audited with only the corruption check against a clean plain
+`verispec serve` as the reference. The leak garbles some outputs at concurrency 8; the
+check must flag them beyond the null (the reference diverging from itself), scored by the
+reference's own tokens and prompt_logprobs, never by the faulty server's own logprobs.
+
+About 3 minutes on 2 cores: two servers start (~20 s each), then 16 prompts at c = 8."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from verispec.audit.context import select_prompts
+from verispec.audit.suite import load_suite
+
+pytestmark = pytest.mark.slow
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(*args: str):
+    port = _port()
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"verispec-serve-{port}.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "verispec.cli", "serve", "--target", "smollm2-135m",
+                             "--port", str(port), "--threads", "1", "--log-level", "warning", *args],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"verispec serve exited with {proc.returncode}: {open(log.name).read()[-1500:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"verispec serve did not start: {open(log.name).read()[-1500:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def converted():
+    from verispec.models.presets import get_preset, is_converted
+    if not is_converted(get_preset("smollm2-135m")):
+        pytest.skip("SmolLM2 preset not converted (verispec models pull smollm2-135m)")
+
+
+def test_a_row_leak_fails_corruption_from_outside(converted):
+    from verispec.audit.endpoint.runner import run_endpoint_audit
+
+    prompts = select_prompts(load_suite("default"), 2)
+    with serve() as plain, serve("--draft", "lookup", "--inject-fault", "row-leak") as faulty:
+        report = run_endpoint_audit(faulty, prompts, reference_url=plain, max_tokens=64, concurrency=(8,),
+                                    only=("corruption",))
+    corruption = next(c for c in report["checks"] if c["name"] == "corruption")
+    assert not corruption["passed"], corruption["summary"]
+    assert corruption["figures"]["tokens"] == "the reference's tokens (verispec /tokenize)"
+    flagged = corruption["details"]["flagged"]
+    assert flagged and all(f["reference"] and f["text"] != f["reference"] for f in flagged)
+    # garbled text, not a missing score: the reference scored the faulty server's output
+    assert any(s.startswith(("perplexity", "repeated", "repetition loop", "character run"))
+               for f in flagged for s in f["signatures"])
+    assert not corruption["details"]["null_flagged"]  # the clean reference never looked corrupt
