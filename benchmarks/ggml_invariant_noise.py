@@ -11,7 +11,7 @@ each mode in a process of its own (ggml fixes its tiled-kernel switch once per p
 
 --modes invariant-repacked is an experiment, not a mode verispec offers: the batch-invariant
 cache and switches with llama.cpp's repacked weights left on, to measure what repacking alone
-adds to the noise (benchmarks/RESULTS.md, session 15). Turning repacking off is the one
+adds to the noise (benchmarks/RESULTS.md, "ggml backend"). Turning repacking off is the one
 switch of the batch-invariant mode that costs real speed on an AVX-512 CPU.
 """
 

@@ -1,5 +1,5 @@
 """Speculation on the ggml backend against llama.cpp's own plain decoding, per task slice and
-batch size, side by side in one run on the same GGUF files, token ids and threads (issue 17).
+batch size, side by side in one run on the same GGUF files, token ids and threads.
 
 Per cell (slice, batch b), the slice's --prompts prompts (chat template) run as waves of b
 concurrent greedy requests of --max-new tokens (EOS ignored, as llama-bench does), under each

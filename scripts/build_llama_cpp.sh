@@ -10,7 +10,7 @@
 # on a CPU with AMX (Sapphire Rapids and later) a native build also compiles ggml's AMX
 # buffer type, which repacks Q4_K weights and crashes in ggml_backend_amx_mul_mat on the
 # first pass of more than one token (llama-server at start-up, llama-bench -p 8, every
-# verify pass and prefill of the ggml backend; llama.cpp issue 20824, closed unfixed).
+# verify pass and prefill of the ggml backend; ggml-org/llama.cpp#20824, closed unfixed).
 # -mno-amx-* keeps the rest of -march=native (AVX-512, VNNI) and drops that path; GCC lets
 # an explicit -mno-* win over -march whatever their order. The flags are stamped into the
 # cache (build-flags), and a cached build made with other flags is rebuilt.

@@ -79,8 +79,9 @@ def test_generate_json_on_smollm2(capsys):
 
 @pytest.mark.slow
 def test_generate_same_seed_same_tokens_on_smollm2(capsys, tmp_path):
-    """Issue 18: `generate --seed 7 --temperature 0.8` and the same with prompt lookup and
-    --verify coupled agreed on 1 of 16 prompts; seeded requests are now keyed by default."""
+    """`generate --seed 7 --temperature 0.8` gives the same tokens with and without prompt lookup
+    and with --verify coupled: seeded requests are keyed by default (without that, the runs
+    agreed on 1 of 16 prompts)."""
     prompts = tmp_path / "p.jsonl"
     texts = ["def fib(n):", "The capital of France is", "1, 2, 3, 4,", "import numpy as np\n"]
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))

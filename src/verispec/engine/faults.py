@@ -81,7 +81,7 @@ def parse(name: str) -> tuple[str, float | None]:
 
 def _faulty_rejection(fault: str, scale: float = 2.0):
     """Rejection sampling with one of three mistakes of the kind the audit must catch end to
-    end (issue 15); the exact rule is verify/rules.py:rejection."""
+    end (benchmarks/mutation_suite.py); the exact rule is verify/rules.py:rejection."""
     from ..verify import rules
 
     c = scale if fault == "relaxed-acceptance" else 1.0

@@ -23,7 +23,7 @@ shared cores) slows both halves of a ratio alike and the drift cancels in it. Ti
 two runs, the endpoint's at every level and then the reference's (as the audit did
 before), a load change between them moved every prompt's ratio at once, and a test that
 took the prompts as independent read that shared shift as a fall far beyond its noise
-(benchmarks/RESULTS.md, issue 16: false alarms in unchanged re-audits on the loaded
+(benchmarks/RESULTS.md, "Auditing other servers": false alarms in unchanged re-audits on the loaded
 2-core machine, none once paired). What drift is left is shared within a wave
 (its requests ran together, and its reference half ran after it), so the observations
 are the waves, not the prompts: each wave's mean log speedup is one value (at concurrency

@@ -85,7 +85,7 @@ def amx_compiled(ll) -> bool:
     """Whether the loaded llama.cpp was built with its AMX buffer type (a native build on a CPU
     with AMX-INT8: Sapphire Rapids and later). That buffer type repacks Q4_K weights and, in the
     pinned release, crashes the process in ggml_backend_amx_mul_mat on the first pass of more
-    than one token (llama.cpp issue 20824; measured here: llama-server at start-up and
+    than one token (ggml-org/llama.cpp#20824; measured here: llama-server at start-up and
     llama-bench -p 8 end in SIGSEGV). scripts/build_llama_cpp.sh builds without it; a library
     that pip built may have it."""
     return b"AMX_INT8 = 1" in (ll.llama_print_system_info() or b"")
@@ -125,7 +125,7 @@ class GgmlModel:
         if params.use_extra_bufts and amx_compiled(ll):
             params.use_extra_bufts = False
             log.warning("llama.cpp was built with its AMX buffer type, which crashes on passes of more "
-                        "than one token (llama.cpp issue 20824): loading %s without repacked weights "
+                        "than one token (ggml-org/llama.cpp#20824): loading %s without repacked weights "
                         "(slower). bash scripts/build_llama_cpp.sh builds llama.cpp without AMX.",
                         self.path.name)
         model = ll.llama_model_load_from_file(str(self.path).encode(), params)
