@@ -9,7 +9,7 @@ from tests.engine.test_engine_tiny import V, _prompts
 from tests.tiny import native_from_hf, tiny_hf
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.engine import Engine, EngineConfig, GenerationParams, PromptCache, Request
-from verispec.engine.prompt_cache import length_groups, prefill
+from verispec.models.prefill import length_groups, prefill
 from verispec.policy import FixedK
 
 

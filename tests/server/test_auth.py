@@ -7,7 +7,7 @@ import pytest
 
 from tests.server.helpers import LiveServer, make_state
 from verispec.cli import UsageError, build_parser, main
-from verispec.server.cli import ENV_API_KEY, resolve_api_key
+from verispec.cli.serve import ENV_API_KEY, resolve_api_key
 
 KEY = "sk-auth-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from verispec.audit.cli import config_from_args
+from verispec.cli.audit import config_from_args
 from verispec.audit.context import AuditSizes
 from verispec.cli import build_parser, main
 

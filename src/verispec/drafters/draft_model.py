@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.prompt_cache import prefill
-from . import apply_halt, draft_from_logits
+from ..models.prefill import prefill
+from .base import apply_halt, draft_from_logits
 
 
 class TokenizerMismatchError(ValueError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import apply_halt, draft_from_logits
+from .base import apply_halt, draft_from_logits
 
 
 class LayerSkipDrafter:

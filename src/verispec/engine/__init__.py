@@ -1,7 +1,7 @@
 """The speculative engine: propose -> verify -> accept -> commit/rollback, for ragged batches."""
 
 from .core import Engine, EngineConfig
-from .prompt_cache import PromptCache
+from ..models.prefill import PromptCache
 from .request import GenerationParams, Request, RequestStats
 
 __all__ = ["Engine", "EngineConfig", "PromptCache", "GenerationParams", "Request", "RequestStats"]

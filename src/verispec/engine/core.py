@@ -19,7 +19,7 @@ import torch
 from ..policy import FixedK
 from ..sampling import keyed_gumbel, logits_to_probs
 from ..verify import LOSSY_RULES, RULES, verify
-from .prompt_cache import prefill
+from ..models.prefill import prefill
 from .request import Request
 
 

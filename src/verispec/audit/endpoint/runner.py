@@ -17,7 +17,7 @@ What can be checked from outside, with the client in client.py:
 * the server's kind, version and settings as it reports them (kinds.py), in the record;
 * with an earlier report, the re-test gate (compare.py).
 
-Wiring into `verispec audit` (audit/cli.py): ``add_endpoint_arguments(a)`` in
+Wiring into `verispec audit` (cli/audit.py): ``add_endpoint_arguments(a)`` in
 add_audit_parser, and at the top of cmd_audit
 ``if args.endpoint: from .endpoint.runner import cmd_endpoint_audit; return cmd_endpoint_audit(args)``.
 """
@@ -25,7 +25,6 @@ add_audit_parser, and at the top of cmd_audit
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import platform
 import random

@@ -47,8 +47,7 @@ def load_ggml(spec: str, *, progress: bool = True, batch_invariant: bool = False
     """A preset or .gguf path on the ggml backend -> models.LoadedModel (files: the GGUF,
     hashed). batch_invariant: llama.cpp without weight repacking and with ordered KV cells
     (ordered.py): bitwise batch-invariant logits, at the speed cost benchmarks/RESULTS.md gives."""
-    from .. import LoadedModel
-    from ..loading import resolve_gguf
+    from ..loading import LoadedModel, resolve_gguf
 
     files = resolve_gguf(spec, progress=progress)
     model = GgmlModel(files.path, files.sha256, batch_invariant=batch_invariant)

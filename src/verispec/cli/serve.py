@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import THREADS_HELP, UsageError, _nonneg_int, _positive_int, _threads, set_threads  # noqa: E402
+from .common import (THREADS_HELP, UsageError, _nonneg_int, _positive_int, _threads, add_backend_argument,
+                     add_speculation_arguments, build_engine, set_threads)
 
 ENV_API_KEY = "VERISPEC_API_KEY"
 
@@ -60,8 +61,6 @@ def resolve_api_key(args, environ=os.environ) -> tuple[str | None, str | None]:
 
 
 def add_serve_parser(sub) -> None:
-    from ..verify import RULES
-
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, streaming, metrics)",
                        description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, "
                                    "/v1/models, /health, /metrics. Per request, the body field "
@@ -72,16 +71,9 @@ def add_serve_parser(sub) -> None:
                                    '"coupled": the same tokens with or without speculation. SIGTERM drains: '
                                    'new requests get 503, requests in flight get --drain-timeout seconds.')
     s.add_argument("--target", required=True, help="preset name, HF directory, GGUF file or hub id")
-    s.add_argument("--draft", default=None,
-                   help="none | lookup[:N] | layerskip:N | a draft model (preset, path, hub id)")
-    s.add_argument("--k", type=_nonneg_int, default=None,
-                   help="draft tokens per step (the most, with the adaptive policy); "
-                        "default 8 with --policy adaptive, 4 with fixed")
-    s.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed"],
-                   help="adaptive: per row and step, from costs timed at start-up and running "
-                        "acceptance (never slower); fixed: always k")
-    s.add_argument("--verify", default="rejection", choices=list(RULES),
-                   help="verification rule for sampled requests; typical-lossy is LOSSY")
+    add_speculation_arguments(s, policy_help="adaptive: per row and step, from costs timed at start-up and "
+                                             "running acceptance (never slower); fixed: always k",
+                              verify_help="verification rule for sampled requests; typical-lossy is LOSSY")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--api-key", default=None,
@@ -102,7 +94,6 @@ def add_serve_parser(sub) -> None:
                    help="requests waiting for a row; beyond it requests get 429")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: --target)")
     s.add_argument("--threads", type=_threads, default="auto", help=THREADS_HELP)
-    from ..cli import add_backend_argument
     add_backend_argument(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     from ..engine.faults import argument as fault_argument
@@ -114,13 +105,10 @@ def add_serve_parser(sub) -> None:
 def build_state(args, api_key: str | None = None):
     """Load the model, build the engine and the server state from parsed arguments
     (api_key: from resolve_api_key)."""
-    from ..drafters import make_drafter
-    from ..engine import Engine, EngineConfig
     from ..models import load_model
-    from ..policy import make_policy, resolve_k
-    from ..policy.costs import CostCache
-    from .app import ServerConfig, ServerState
-    from .worker import PerRequestPolicy
+    from ..policy import resolve_k
+    from ..server.app import ServerConfig, ServerState
+    from ..server.worker import PerRequestPolicy
 
     args.k = resolve_k(args.policy, args.k)
 
@@ -129,12 +117,9 @@ def build_state(args, api_key: str | None = None):
     target, tok = loaded.model, loaded.tokenizer
     set_threads(args.threads, target)  # before the adaptive policy times its costs
     max_len = min(args.max_len, target.config.max_position_embeddings)
-    drafter = make_drafter(args.draft, target, tok, max_rows=args.max_batch, max_len=max_len + args.k + 2)
     # the cost model is measured once per machine and configuration, then read from the cache
-    policy = PerRequestPolicy(make_policy(args.policy, target, drafter, args.max_batch, args.k,
-                                          cost_cache=CostCache.default()))
-    engine = Engine(target, drafter, policy, EngineConfig(max_batch=args.max_batch, max_len=max_len,
-                                                          rule=args.verify))
+    engine = build_engine(target, tok, args, max_batch=args.max_batch, max_len=max_len, wrap=PerRequestPolicy)
+    drafter = engine.drafter
     config = ServerConfig(model_name=args.served_model_name or args.target, api_key=api_key,
                           metrics_public=args.metrics_public, max_queue=args.max_queue,
                           drafter=args.draft if drafter is not None else None,
@@ -172,7 +157,7 @@ def cmd_serve(args) -> int:
 
 
 def _serve(args, api_key, key_source) -> int:
-    from .app import make_server
+    from ..server.app import make_server
 
     state = build_state(args, api_key)
     server = make_server(state, host=args.host, port=args.port, log_level=args.log_level)

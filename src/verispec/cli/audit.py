@@ -8,6 +8,8 @@ import argparse
 import sys
 import time
 
+from .common import UsageError, _threads, add_backend_argument, add_speculation_arguments, set_threads
+
 DEFAULT_BATCH_SIZES = {"full": (1, 4, 16, 32), "quick": (1, 4, 16)}
 
 
@@ -19,9 +21,6 @@ def _batch_sizes(s: str) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {s!r}")
     return sizes
-
-
-from ..cli import _positive_int, _threads, pick_threads  # noqa: E402,F401  (shared with generate and serve)
 
 
 def _positive_float(s: str) -> float:
@@ -44,7 +43,7 @@ def _temperatures(s: str) -> tuple[float, ...]:
 
 
 def _checks(s: str) -> tuple[str, ...]:
-    from .context import CHECKS
+    from ..audit.context import CHECKS
     names = tuple(x.strip() for x in s.split(",") if x.strip())
     bad = [n for n in names if n not in CHECKS]
     if bad or not names:
@@ -53,29 +52,24 @@ def _checks(s: str) -> tuple[str, ...]:
 
 
 def add_audit_parser(sub) -> None:
-    from ..verify import RULES
-    from .context import CHECKS
+    from ..audit.context import CHECKS
+    from ..audit.endpoint.runner import add_endpoint_arguments
 
     a = sub.add_parser("audit", help="audit speculative decoding: equivalence, distribution, "
                                      "corruption, slices, load; exit 1 on failure",
                        description="Run the deployment checklist and write report.json, report.md and "
                                    "report.html. Exit status 1 when any check fails.")
     a.add_argument("--target", default="smollm2-135m", help="preset, HF directory, GGUF file or hub id")
-    a.add_argument("--draft", default="lookup",
-                   help="lookup[:N] | layerskip:N | a draft model (preset, path, hub id); default lookup")
-    a.add_argument("--k", type=_positive_int, default=None,
-                   help="draft tokens per step (the most, with the adaptive policy); "
-                        "default 8 with --policy adaptive, 4 with fixed")
-    from .endpoint.runner import add_endpoint_arguments
+    add_speculation_arguments(a, draft_default="lookup", min_k=1,
+                              draft_help="lookup[:N] | layerskip:N | a draft model (preset, path, hub id); "
+                                         "default lookup",
+                              policy_help="adaptive (default): k per row and step from measured costs and "
+                                          "acceptance; fixed: always k",
+                              verify_help="verification rule; typical-lossy is lossy and fails the audit")
     add_endpoint_arguments(a)
     a.add_argument("--batch-invariant", action="store_true",
                    help="run the target in batch-invariant mode: greedy output must then match "
                         "plain decoding bitwise at every batch size")
-    a.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed"],
-                   help="adaptive (default): k per row and step from measured costs and acceptance; "
-                        "fixed: always k")
-    a.add_argument("--verify", default="rejection", choices=list(RULES),
-                   help="verification rule; typical-lossy is lossy and fails the audit")
     a.add_argument("--suite", default="default", help='"default" or a JSONL file (Spec-Bench format accepted)')
     a.add_argument("--batch-sizes", type=_batch_sizes, default=None,
                    help="comma-separated (default 1,4,16,32; with --quick 1,4,16)")
@@ -106,7 +100,6 @@ def add_audit_parser(sub) -> None:
     a.add_argument("--only", type=_checks, default=(),
                    help="comma-separated checks to run (and lossy-rule, record): " + ", ".join(CHECKS)
                         + "; the verdict then covers only those")
-    from ..cli import add_backend_argument
     add_backend_argument(a)
     from ..engine.faults import argument as fault_argument
     a.add_argument("--inject-fault", type=fault_argument, default=None, help=argparse.SUPPRESS)
@@ -114,8 +107,8 @@ def add_audit_parser(sub) -> None:
 
 
 def config_from_args(args):
+    from ..audit.context import AuditConfig, AuditSizes
     from ..policy import resolve_k
-    from .context import AuditConfig, AuditSizes
     mode = "quick" if args.quick else "full"
     return AuditConfig(target=args.target, draft=args.draft, k=resolve_k(args.policy, args.k), policy=args.policy,
                        batch_invariant=args.batch_invariant, rule=args.verify, suite=args.suite,
@@ -129,16 +122,13 @@ def config_from_args(args):
 
 def cmd_audit(args) -> int:
     if args.endpoint:  # audit any OpenAI-compatible server instead of an in-process engine
-        from .endpoint.runner import cmd_endpoint_audit
+        from ..audit.endpoint.runner import cmd_endpoint_audit
         return cmd_endpoint_audit(args)
-    import torch
-
-    from ..cli import UsageError
+    from ..audit.progress import PlainProgress, RichProgress
+    from ..audit.report import write_reports
+    from ..audit.runner import drafter_factory_from_spec, run_audit
+    from ..audit.suite import load_suite
     from ..models import load_model
-    from .progress import PlainProgress, RichProgress
-    from .report import write_reports
-    from .runner import drafter_factory_from_spec, run_audit
-    from .suite import load_suite
 
     try:
         config = config_from_args(args)
@@ -154,18 +144,14 @@ def cmd_audit(args) -> int:
         suite = load_suite(config.suite)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    set_threads(args.threads)  # a count: before loading; auto: timed on the loaded model
     target = load_model(config.target, progress=not args.no_progress, batch_invariant=config.batch_invariant,
                         backend=args.backend)
     try:
         factory, draft_files = drafter_factory_from_spec(config.draft, target.model, target.tokenizer)
     except ValueError as e:
         raise UsageError(f"--draft {config.draft}: {e}") from None
-    if args.threads == "auto":
-        threads, speeds = pick_threads(target.model)
-        print(f"torch threads: {threads} (decode tok/s by thread count: "
-              + ", ".join(f"{n}: {v:.1f}" for n, v in speeds.items()) + ")", file=sys.stderr)
-    else:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads, target.model)
     progress = PlainProgress() if args.no_progress else RichProgress()
     try:
         result = run_audit(config, target=target, drafter_factory=factory, draft_files=draft_files,

@@ -1,0 +1,75 @@
+"""The drafter protocol (documented in drafters/__init__.py) and the drawing and halting
+steps the drafters with a model share."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..sampling import SamplingParams, logits_to_probs, sample_token
+from ..verify.rules import argmax_last
+
+
+class Drafter(Protocol):
+    name: str
+
+    def admit(self, rows: list[int], tokens: list[list[int]]) -> None: ...
+
+    def prepare(self, rows: list[int], tokens: list[list[int]]) -> None: ...
+
+    def propose(self, rows: list[int], tokens: list[list[int]], k: list[int],
+                sampling: list[SamplingParams], generators: list
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
+
+    def rollback(self, rows: list[int], committed: list[int]) -> None: ...
+
+    def release(self, rows: list[int]) -> None: ...
+
+
+def draft_from_logits(logits: torch.Tensor, active: list[int], i: int, tokens, sampling, generators,
+                      out: torch.Tensor, probs: torch.Tensor | None, confidence: bool = False,
+                      transform=None) -> list[float] | None:
+    """Fill draft position i for the active rows from the drafter's logits [B',V].
+
+    Greedy rows take the argmax (one vectorised call); sampled rows draw from q with
+    their own random source and, where the rule needs it, record q in probs [B,K,V].
+    With confidence=True, returns the drafter's probability of each drafted token
+    (greedy rows: the softmax's top probability; sampled rows: q of the token drawn).
+    `transform(q) -> q'` replaces a sampled row's q before the draw (the audit's probe
+    drafter: audit/probe.py); q' is what is drawn from and what the rule reads.
+    """
+    best = argmax_last(logits).tolist()  # sync: one per draft position for the whole batch
+    conf = None
+    if confidence:  # p(argmax) = exp(max - logsumexp), every row at once
+        lf = logits.float()
+        conf = torch.exp(lf.amax(-1) - torch.logsumexp(lf, -1)).tolist()  # [B']
+    for j, b in enumerate(active):
+        sp = sampling[b]
+        if sp.greedy:
+            out[b, i] = best[j]
+            continue
+        q = logits_to_probs(logits[j], sp)  # [V]
+        if transform is not None:
+            q = transform(q)
+        if probs is not None:
+            probs[b, i, :q.shape[-1]] = q
+        out[b, i] = sample_token(q, sp, generators[b], len(tokens[b]) + i)
+        if conf is not None:
+            conf[j] = float(q[out[b, i]])
+    return conf
+
+
+def apply_halt(halt, i: int, active: list[int], k: list[int], conf, num: torch.Tensor) -> list[int]:
+    """After draft position i: the rows of `active` that draft position i + 1. Rows that
+    reached k[b] stop; with a halt rule, so do those it stops (num[b] = i + 1 for them)."""
+    if halt is None:
+        return [b for b in active if k[b] > i + 1]
+    stop = halt(i, active, conf)
+    going = []
+    for b, s in zip(active, stop):
+        if s and k[b] > i + 1:
+            num[b] = i + 1
+        elif k[b] > i + 1:
+            going.append(b)
+    return going
