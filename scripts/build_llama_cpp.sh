@@ -16,7 +16,9 @@
 # cache (build-flags), and a cached build made with other flags is rebuilt.
 set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-CACHE="${VERISPEC_CACHE:-$HOME/.cache/verispec}"
+# the rule of verispec/paths.py: $VERISPEC_CACHE, else $XDG_CACHE_HOME/verispec, else ~/.cache/verispec
+CACHE="${VERISPEC_CACHE:-${XDG_CACHE_HOME:+$XDG_CACHE_HOME/verispec}}"
+CACHE="${CACHE:-$HOME/.cache/verispec}"
 OUT="$CACHE/llama.cpp/$VERSION"
 PY="${PYTHON:-python3}"
 JOBS="${JOBS:-$(nproc)}"

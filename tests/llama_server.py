@@ -28,7 +28,8 @@ NGRAM = ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--sp
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec"))
+    from verispec.paths import cache_dir
+    return cache_dir()
 
 
 def binary(build: bool = True) -> tuple[Path | None, str]:

@@ -34,7 +34,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec"))
+    from verispec.paths import cache_dir
+    return cache_dir()
 
 
 def python_exe(install: bool = True) -> tuple[Path | None, str]:

@@ -459,3 +459,27 @@ def test_interrupted_conversion_leaves_no_cache(cache, tiny_ggufs, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         resolve_model(str(path), progress=False)
     assert not list(cache.glob("gguf-*")) and not list(cache.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("env", [{}, {"XDG_CACHE_HOME": "xdg"}, {"XDG_CACHE_HOME": "xdg", "VERISPEC_CACHE": "explicit"}])
+def test_every_cache_user_follows_one_rule(monkeypatch, tmp_path, env):
+    """The kernels, the llama.cpp build and vLLM's environment land where the loader looks:
+    fastlinear and the install scripts resolve the cache as verispec.paths does."""
+    import subprocess
+    from pathlib import Path
+
+    from verispec.models import fastlinear
+    from verispec.paths import cache_dir
+
+    for var in ("VERISPEC_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for var, value in env.items():
+        monkeypatch.setenv(var, str(tmp_path / value))
+    assert fastlinear._cache_dir() == cache_dir() / "kernels"
+    root = Path(__file__).resolve().parents[2]
+    for script in ("build_llama_cpp.sh", "install_vllm.sh"):
+        lines = [ln for ln in (root / "scripts" / script).read_text().splitlines() if ln.startswith("CACHE=")]
+        assert lines, f"{script} sets no CACHE"
+        out = subprocess.run(["bash", "-c", "\n".join(lines) + '\necho "$CACHE"'], capture_output=True, text=True)
+        assert Path(out.stdout.strip()) == cache_dir(), script

@@ -102,7 +102,7 @@ __all__ = ["PackedLinear", "backend_name", "native_info"]
 log = logging.getLogger(__name__)
 
 ENV_BACKEND = "VERISPEC_LINEAR"
-ENV_CACHE = "VERISPEC_CACHE"
+ENV_CACHE = "VERISPEC_CACHE"  # paths.cache_dir() reads it
 
 _SRC_PATH = Path(__file__).with_name("csrc") / "fastlinear.c"
 _ABI_VERSION = 3
@@ -139,9 +139,8 @@ _STATE = _NativeState()
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get(ENV_CACHE)
-    base = Path(root) if root else Path.home() / ".cache" / "verispec"
-    return base / "kernels"
+    from ..paths import cache_dir
+    return cache_dir() / "kernels"
 
 
 def _cpu_signature() -> str:

@@ -20,12 +20,13 @@ import hashlib
 import importlib
 import importlib.metadata as metadata
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from ..paths import cache_dir
 
 __all__ = [
     "ChecksumMismatchError",
@@ -160,17 +161,6 @@ def get_preset(name: str) -> Preset:
 
 
 # --------------------------------------------------------------------------- cache location
-
-
-def cache_dir() -> Path:
-    """``$VERISPEC_CACHE``, else ``$XDG_CACHE_HOME/verispec``, else ``~/.cache/verispec`` (not created)."""
-    explicit = os.environ.get("VERISPEC_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "verispec"
-    return Path.home() / ".cache" / "verispec"
 
 
 def converted_dir(preset: Preset, root: Path | None = None) -> Path:
