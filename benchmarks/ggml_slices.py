@@ -28,7 +28,7 @@ draft token, and the acceptance a row needs for one draft per step to break even
 a* = (c(b, 2) + d(b)) / c(b, 1) - 1, next to the acceptance measured per slice.
 
     python benchmarks/ggml_slices.py --target qwen2.5-coder-1.5b --drafts lookup,qwen2.5-coder-0.5b \\
-        --threads 2 --batches 1,4,16 --json /tmp/slices.json --plot benchmarks/ggml_slices.png
+        --threads 2 --batches 1,4,16 --json /tmp/slices.json --plot /tmp/slices.png
 """
 
 from __future__ import annotations
