@@ -42,7 +42,7 @@ from common import suite_prompts
 from verispec.engine import Engine, EngineConfig, GenerationParams, Request
 from verispec.models import load_model
 from verispec.models.ggml.lib import LLAMA_CPP_PYTHON_VERSION
-from verispec.models.ggml.runtime import GgmlCache
+from verispec.models.ggml.kvcache import GgmlCache
 from verispec.models.presets import cache_dir
 from verispec.policy import FixedK
 

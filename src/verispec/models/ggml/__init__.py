@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .lib import LLAMA_CPP_PYTHON_VERSION, MissingGgufExtraError, available
-from .runtime import LAYER_SKIP_UNSUPPORTED, GgmlCache, GgmlModel, UnsupportedFeatureError
+from .kvcache import GgmlCache
+from .runtime import LAYER_SKIP_UNSUPPORTED, GgmlModel, UnsupportedFeatureError
 
 __all__ = ["GgmlCache", "GgmlModel", "LAYER_SKIP_UNSUPPORTED", "LLAMA_CPP_PYTHON_VERSION",
            "MissingGgufExtraError", "UnsupportedFeatureError", "available", "load_ggml", "load_tokenizer"]

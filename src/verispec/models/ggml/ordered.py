@@ -9,7 +9,7 @@ what this cache (with GgmlModel(batch_invariant=True)) does about each:
 - The tiled K-quant kernel (Q2_K..Q6_K weights that are not repacked, 8 or more tokens per
   pass). Off: GGML_CPU_TILED_MM=0, which ggml reads once per process (lib.switch_off_tiled_matmul).
 - Flash attention (forced on) takes a tiled kernel for 64 or more query tokens: a pass holds
-  at most 63 tokens (runtime.MAX_UBATCH_TOKENS).
+  at most 63 tokens (kvcache.MAX_UBATCH_TOKENS).
 - Flash attention splits the KV range across threads for a pass of exactly one token once
   the context reaches 512 cells, and merges the parts in another order (with one thread
   the single part merges back bitwise): at more than one thread and past 256 used cells no
@@ -43,7 +43,7 @@ import ctypes
 import numpy as np
 
 from ..cache import CacheFullError
-from .runtime import MAX_UBATCH_TOKENS, GgmlCache
+from .kvcache import MAX_UBATCH_TOKENS, GgmlCache
 
 EMPTY, GARBAGE_CELL = -1, -2  # _owner values besides a row index
 

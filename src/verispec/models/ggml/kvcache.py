@@ -1,0 +1,179 @@
+"""The ggml backend's KV cache: one llama.cpp context with one sequence id per cache row in
+a unified KV buffer (runtime.py says why a ragged batch is then one ``llama_decode``), with
+models/cache.KVCache's interface, so that the engine, the drafters and the policy see no
+difference. ordered.py derives the batch-invariant variant."""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..cache import CacheFullError, RowPool
+from .lib import note_first_decode
+
+if TYPE_CHECKING:
+    from .runtime import GgmlModel
+
+MAX_DECODE_TOKENS = 2048  # tokens per llama_decode call (n_batch); longer feeds are split
+# Tokens per graph evaluation (n_ubatch). llama.cpp's CPU flash attention takes a tiled f32
+# kernel for 64 or more query tokens and a one-chunk kernel (queries rounded to f16) below;
+# with the default of 512 a row's logits then depend on how many tokens share its decode
+# (measured on SmolLM2 Q4_1: up to 1.3 in a logit). Below 64 every pass takes the same
+# attention kernel (on SmolLM2 a row's logits then no longer depend on the other rows or on
+# how its tokens were split into passes: tests/test_ggml_backend.py). Wider passes are split by llama.cpp
+# itself; on this CPU a pass of 63 tokens is compute-bound, so the split costs little.
+MAX_UBATCH_TOKENS = 63
+
+
+class GgmlCache(RowPool):
+    """A llama.cpp context as a KV cache with one length per row (models/cache.KVCache's
+    interface; the row bookkeeping is RowPool's). Row r is sequence id r; its valid positions are [0, lengths[r]), and llama.cpp
+    holds exactly those (truncate removes the rest with llama_memory_seq_rm), so a feed that
+    does not continue a row where it ends is refused by llama.cpp's own position check.
+
+    As on the native cache, a row's length is the truth: lowering lengths[r] directly (what
+    drafters/draft_model.py's rollback does) rolls the row back; the positions llama.cpp
+    still holds past it (`held`) are removed before the row's next decode or snapshot. A
+    length raised past what llama.cpp holds is refused at the next decode."""
+
+    def __init__(self, model: "GgmlModel", max_rows: int, max_len: int):
+        ll = model._ll
+        if max_rows < 1 or max_len < 1:
+            raise ValueError("max_rows and max_len must be >= 1")
+        super().__init__(max_rows, max_len)
+        self.held = torch.zeros(max_rows, dtype=torch.long)  # [R] positions llama.cpp holds per row
+        self._ll, self.model = ll, model
+        p = ll.llama_context_default_params()
+        self._context_params(p, max_rows, max_len)
+        self._threads = torch.get_num_threads()
+        p.n_threads = p.n_threads_batch = self._threads
+        ctx = ll.llama_init_from_model(model._model, p)
+        if not ctx:
+            raise CacheFullError(f"llama.cpp could not create a context for {max_rows} rows x "
+                                 f"{max_len} positions (out of memory?)")
+        self.ctx = ctx
+        self._finalizer = weakref.finalize(self, ll.llama_free, ctx)
+        self.mem = ll.llama_get_memory(ctx)
+        self.n_batch = ll.llama_n_batch(ctx)
+        # the batch the decode reads: our own buffers, written with numpy, no per-token ctypes
+        n = self.n_batch
+        self._tok = np.zeros(n, np.int32)
+        self._pos = np.zeros(n, np.int32)
+        self._nseq = np.ones(n, np.int32)
+        self._seq = np.zeros(n, np.int32)
+        self._logits = np.zeros(n, np.int8)
+        base = self._seq.ctypes.data
+        self._seq_ptrs = (ctypes.POINTER(ll.llama_seq_id) * n)(
+            *[ctypes.cast(base + 4 * i, ctypes.POINTER(ll.llama_seq_id)) for i in range(n)])
+        self._batch = ll.llama_batch()
+        self._batch.token = self._tok.ctypes.data_as(ctypes.POINTER(ll.llama_token))
+        self._batch.embd = ctypes.POINTER(ctypes.c_float)()
+        self._batch.pos = self._pos.ctypes.data_as(ctypes.POINTER(ll.llama_pos))
+        self._batch.n_seq_id = self._nseq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self._batch.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ll.llama_seq_id)))
+        self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._out_key, self._out_view = None, None  # _outputs' view of llama.cpp's logits
+
+    def _context_params(self, p, max_rows: int, max_len: int) -> None:
+        """llama_context_params for this cache (GgmlOrderedCache changes them)."""
+        p.n_ctx = max_rows * max_len  # one unified buffer: rows share its cells
+        p.n_batch = min(MAX_DECODE_TOKENS, p.n_ctx)
+        p.n_ubatch = min(MAX_UBATCH_TOKENS, p.n_batch)
+        p.n_seq_max = max_rows
+        p.kv_unified = True  # one graph for a ragged batch (split streams need equal rows)
+        p.no_perf = True
+
+    def _spans(self, n: int) -> list[tuple[int, int]]:
+        """[lo, hi) of the flat feed per llama_decode call."""
+        return [(lo, min(lo + self.n_batch, n)) for lo in range(0, n, self.n_batch)]
+
+    def close(self) -> None:
+        """Free the llama.cpp context now (it is freed with the object otherwise)."""
+        self._finalizer()
+
+    # -- decoding (the model's forward) ------------------------------------------
+    def _sync_threads(self) -> None:
+        """Follow torch's thread count (the project's one thread knob: --threads, the audit's
+        pick_threads), so both backends run on the same cores."""
+        n = torch.get_num_threads()
+        if n != self._threads:
+            self._ll.llama_set_n_threads(self.ctx, n, n)
+            self._threads = n
+
+    def _decode(self, tok, pos, seq, want) -> int:
+        """One llama_decode over N <= n_batch tokens; -> number of logit rows it produced."""
+        N = len(tok)
+        note_first_decode()
+        self._tok[:N], self._pos[:N], self._seq[:N] = tok, pos, seq
+        self._logits[:N] = want
+        n_out = int(np.count_nonzero(want))  # counted before the decode, while caches are warm
+        self._batch.n_tokens = N
+        rc = self._ll.llama_decode(self.ctx, self._batch)
+        if rc == 1:
+            raise CacheFullError(f"llama.cpp found no KV slot for {N} tokens "
+                                 f"({self.max_rows} rows x {self.max_len} positions)")
+        if rc != 0:
+            # a failed decode can leave part of the batch in llama.cpp's memory: the rows are
+            # rolled back to their lengths (which did not advance) before anything else runs
+            for r in sorted(set(int(s) for s in seq)):
+                self._ll.llama_memory_seq_rm(self.mem, r, int(self.lengths[r]), -1)
+            raise RuntimeError(f"llama_decode failed (return code {rc}) for a batch of {N} tokens")
+        return n_out
+
+    def _outputs(self, n_out: int, V: int) -> torch.Tensor:
+        """The last decode's logits, [n_out, V]: a view of llama.cpp's output buffer (valid until
+        the next decode). The view is made again only when the buffer moves or n_out changes."""
+        ptr = self._ll.llama_get_logits(self.ctx)
+        key = (ctypes.addressof(ptr.contents), n_out)
+        if key != self._out_key:
+            self._out_view = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_out, V)))
+            self._out_key = key
+        return self._out_view
+
+    # -- rows (the bookkeeping is models/cache.RowPool's) ---------------------------
+    def _release(self, rows, new_lengths) -> None:
+        """llama_memory_seq_rm of every position from the new length on, for the rows that hold
+        any (a failed decode removes what it left behind itself, in _decode)."""
+        held = self.held.numpy()
+        for r, n in zip(rows, new_lengths):
+            r, n = int(r), int(n)
+            if held[r] <= n:
+                continue
+            if not self._ll.llama_memory_seq_rm(self.mem, r, n, -1):
+                raise RuntimeError(f"llama.cpp could not remove positions >= {n} of row {r}")
+            held[r] = n
+
+    def _drop_stale(self, rows: list[int]) -> None:
+        """Remove what llama.cpp holds past each row's length (a length lowered directly)."""
+        lengths, held = self.lengths.numpy(), self.held.numpy()
+        stale = [r for r in rows if lengths[r] < held[r]]
+        if stale:
+            self._release(stale, lengths[stale].tolist())
+
+    # -- snapshots (engine/prompt_cache.py) ------------------------------------------
+    def snapshot(self, row: int):
+        """The row's keys and values as llama.cpp's sequence state (bytes)."""
+        ll = self._ll
+        self._drop_stale([row])
+        size = ll.llama_state_seq_get_size(self.ctx, row)
+        buf = (ctypes.c_uint8 * size)()
+        if ll.llama_state_seq_get_data(self.ctx, buf, size, row) != size:
+            raise RuntimeError(f"llama.cpp could not copy the state of row {row}")
+        return (int(self.lengths[row]), bytes(buf))
+
+    def restore(self, row: int, snap) -> None:
+        """Fill row `row` (in use) with a snapshot taken by snapshot() on a cache of this model."""
+        T, data = snap
+        if T > self.max_len:
+            raise CacheFullError(f"a snapshot of {T} positions does not fit rows of {self.max_len}")
+        ll = self._ll
+        ll.llama_memory_seq_rm(self.mem, row, 0, -1)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if ll.llama_state_seq_set_data(self.ctx, buf, len(data), row) == 0:
+            self.lengths[row] = self.held[row] = 0
+            raise CacheFullError(f"llama.cpp could not restore a snapshot into row {row}")
+        self.lengths[row] = self.held[row] = T
