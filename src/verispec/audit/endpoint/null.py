@@ -24,8 +24,8 @@ equivalence at level c when either of two exact tests rejects at alpha / (2 x le
    divergences are then reported as "unexplained by the null" and only the count test
    decides (more null runs, --null-repeats, give the margins a scale).
 
-A divergence at a margin within the null's range counts as numerics ("near-tie" in the
-report's columns). Prompts whose request failed are not compared, and any failed request
+A divergence at a margin within the null's range is a near-tie (the backend's own numerics,
+as the offline audit names it). Prompts whose request failed are not compared, and any failed request
 makes the level inconclusive (a failure: what was not compared was not shown equal).
 """
 
@@ -134,7 +134,7 @@ def verdict(tests: list[Comparison], nulls: dict[int, Comparison], alpha: float 
         beyond = [r for r in t.divergences if r["margin"] is not None and (null_max is None or r["margin"] > null_max)]
         p_margin = exceedance_p(len(beyond), len(t.margins), len(null_margins))
         for r in t.divergences:
-            r["verdict"] = ("beyond the null" if r in beyond else "numerics" if r["margin"] is not None
+            r["verdict"] = ("beyond the null" if r in beyond else "near-tie" if r["margin"] is not None
                             else "margin unknown")
         for r in t.rows:
             r.setdefault("verdict", "identical" if r["exact"] else ("not compared" if r["error"] else "?"))

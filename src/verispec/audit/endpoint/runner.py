@@ -316,7 +316,7 @@ def _equivalence(tests: list[Comparison], nulls: dict[int, Comparison], base: En
     per_batch, rows = [], []
     for t, lv in zip(tests, v["per_level"]):
         counts = {"identical": sum(r["exact"] for r in t.rows),
-                  "near-tie": sum(r.get("verdict") == "numerics" for r in t.rows)}
+                  "near-tie": sum(r.get("verdict") == "near-tie" for r in t.rows)}
         counts["divergence"] = len(t.rows) - counts["identical"] - counts["near-tie"]
         n = len(t.rows)
         per_batch.append({"batch": t.concurrency, "rows_decoded_together": min(t.concurrency, n), "prompts": n,
