@@ -113,3 +113,14 @@ def test_vllm_with_a_relaxed_acceptance_rule_fails_on_distribution(plain, model_
     assert [c["name"] for c in report["checks"]] == ["distribution", "record"]  # --only in endpoint mode
     assert not dist["passed"] and "drafted-token" in _failed_tests(dist), dist["summary"]
     assert dist["figures"]["verified_drafts"] >= 200 and dist["figures"]["lookup"]["z"] > 3  # d too often
+
+
+def test_vllm_block_verification_is_exact_and_passes(plain, model_dir, prompts):
+    """rejection_sample_method "block" (Sun et al.'s block verification) verifies the drafts
+    jointly; it is exact, so the distribution check must pass with it."""
+    spec = {**NGRAM, "rejection_sample_method": "block"}
+    with VllmServer(model_dir, name="smollm2", spec=spec, fix_expand=True) as server:
+        report = _audit(server.url, plain.url, prompts, only=("distribution",))
+    dist = _check(report, "distribution")
+    assert dist["passed"], dist["summary"]
+    assert dist["figures"]["verified_drafts"] >= 200 and dist["figures"]["n"] >= SAMPLED
