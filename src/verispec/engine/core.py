@@ -75,6 +75,37 @@ class StepTimes:
                 "bookkeeping_fraction": self.other_s / total if total else None}
 
 
+@dataclass(eq=False)
+class StepRecord:
+    """What one step knows, filled in phase by phase (Engine._step)."""
+
+    reqs: list[Request]
+    t0: float  # the step's start
+    k: list[int] = field(default_factory=list)  # drafts per row, as the policy settled it
+    K: int = 0  # the widest row's drafts found (the verify pass is K + 1 wide)
+    drafts: torch.Tensor | None = None  # [B,K] long
+    q: torch.Tensor | None = None  # [B,K,V] the drafter's q, or None (one-hot)
+    num: torch.Tensor | None = None  # [B] drafts found per row
+    num_l: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [B,K+1,V]
+    out: torch.Tensor | None = None  # [B,K+1] emitted tokens (-1 past a row's run)
+    n_acc: torch.Tensor | None = None  # [B] accepted drafts
+    acc_l: list[int] = field(default_factory=list)
+    failed: dict = field(default_factory=dict)  # row index -> why it failed
+    n_out: int = 0  # tokens appended in the commit
+    prep_s: float = 0.0  # the drafter's deferred prefill (counted as prefill)
+    t_draft: float = 0.0  # drafting starts
+    t_verify: float = 0.0  # drafting ends
+    t_accept: float = 0.0  # the verify pass ends
+
+    B: int = 0
+    rows: list[int] = field(default_factory=list)
+    n0: list[int] = field(default_factory=list)  # sequence lengths; the cache holds n0 - 1
+
+    def __post_init__(self):
+        self.B, self.rows, self.n0 = len(self.reqs), [r.row for r in self.reqs], [len(r.tokens) for r in self.reqs]
+
+
 class Engine:
     def __init__(self, target, drafter=None, policy=None, config: EngineConfig = EngineConfig(),
                  prompt_cache=None):
@@ -227,126 +258,144 @@ class Engine:
         self._finish(r, "error")
 
     def _step(self, reqs: list[Request]) -> list[Request]:
-        t0 = time.perf_counter()
-        B, rows = len(reqs), [r.row for r in reqs]
-        n0 = [len(r.tokens) for r in reqs]  # sequence lengths; cache holds n0 - 1
-        # 1. how many drafts per row: the policy's choice, capped by what the row can still emit
-        k = self.policy.choose(reqs) if self.drafter is not None else [0] * B
-        k = [max(0, min(kb, self._draft_budget(r))) for kb, r in zip(k, reqs)]
-        # 2. propose; work the drafter deferred until a row drafts (a draft model's
-        #    prefill) is done first and counted as prefill
-        K = max(k)
-        prep_s = 0.0
-        if K > 0:
+        """One step over the running rows, as named phases over one record (StepRecord)."""
+        s = StepRecord(reqs, time.perf_counter())
+        self._choose(s)
+        self._propose(s)
+        self._verify(s)
+        self._accept_rows(s)
+        finished = self._commit(s)
+        self._observe(s)
+        return finished
+
+    def _choose(self, s: "StepRecord") -> None:
+        """How many drafts per row: the policy's choice, capped by what the row can still emit."""
+        k = self.policy.choose(s.reqs) if self.drafter is not None else [0] * s.B
+        s.k = [max(0, min(kb, self._draft_budget(r))) for kb, r in zip(k, s.reqs)]
+
+    def _propose(self, s: "StepRecord") -> None:
+        """The drafts. Work the drafter deferred until a row drafts (a draft model's
+        prefill) is done first and counted as prefill. A policy that halts stops rows while
+        a drafter that takes a halt rule drafts, on the drafter's own confidence; one that
+        trims settles how many of the drafts found to verify. Either way s.k becomes what
+        the policy settled on, which is what observe() is told it asked for."""
+        reqs, rows, k = s.reqs, s.rows, s.k
+        if max(k) > 0:
             tp = time.perf_counter()
-            drafting = [b for b in range(B) if k[b] > 0]
+            drafting = [b for b in range(s.B) if k[b] > 0]
             self.drafter.prepare([rows[b] for b in drafting], [reqs[b].tokens for b in drafting])
-            prep_s = time.perf_counter() - tp
-            self.times.prefill_s += prep_s
-        t1 = time.perf_counter()
-        # a policy that halts stops rows while a drafter that takes a halt rule drafts, on
-        # the drafter's own confidence
+            s.prep_s = time.perf_counter() - tp
+            self.times.prefill_s += s.prep_s
+        s.t_draft = time.perf_counter()
         halt = self.policy.halt if self.policy.halts and getattr(self.drafter, "halts", False) else None
-        if K > 0:
+        if max(k) > 0:
             kw = {} if halt is None else {"halt": lambda i, active, conf: halt(reqs, k, i, active, conf)}
             drafts, q, num = self.drafter.propose(rows, [r.tokens for r in reqs], k,
                                                    [r.params.sampling for r in reqs],
                                                    [r.generator for r in reqs], **kw)
             if halt is not None:
-                k = num.tolist()  # where the policy stopped a row is what it asked for
+                s.k = num.tolist()
         else:
-            drafts, q, num = torch.zeros(B, 0, dtype=torch.long), None, torch.zeros(B, dtype=torch.long)
-        t2 = time.perf_counter()
-        # 3. verify all rows in ONE target pass over [pending, d_1..d_k]; a drafter may
-        #    find fewer drafts than asked (prompt lookup without a match): no pass pays
-        #    for padding columns that no row uses
-        if K > 0 and self.policy.trims:  # a policy that trims settles k once drafts are found
+            drafts, q, num = torch.zeros(s.B, 0, dtype=torch.long), None, torch.zeros(s.B, dtype=torch.long)
+        s.t_verify = time.perf_counter()  # trimming counts with the verify pass
+        if max(k) > 0 and self.policy.trims:
             num = torch.minimum(num, torch.tensor(self.policy.trim(reqs, num.tolist()), dtype=torch.long))
-            k = num.tolist()  # what the policy settled on is what it asked for
-        K = int(num.max())
-        drafts = drafts[:, :K]
-        q = None if q is None else q[:, :K]
-        pending = self._pending_tokens(reqs)  # [B,1]
-        x = torch.cat([pending, drafts], dim=1) if K else pending  # [B,K+1]
-        num_l = num.tolist()
-        logits = self.target.forward(x, self.cache, rows, [n + 1 for n in num_l])  # [B,K+1,V]
-        t3 = time.perf_counter()
-        # 4. accept per row: greedy rows together, sampled rows each with its own random
-        #    source (noise keyed on (seed, position) for seeded rows, else a generator).
-        #    A row whose logits or probabilities are not finite fails alone.
-        # a row is checked at the positions it verifies
-        finite = finite_positions(logits)  # sync: [B][K+1] flags
-        failed = {b: "the model's logits are not finite" for b in range(B) if not all(finite[b][:num_l[b] + 1])}
-        greedy = [b for b, r in enumerate(reqs) if r.params.sampling.greedy and b not in failed]
+            s.k = num.tolist()
+        # a drafter may find fewer drafts than asked (prompt lookup without a match): no
+        # pass pays for padding columns that no row uses
+        s.K = int(num.max())
+        s.drafts, s.num, s.num_l = drafts[:, :s.K], num, num.tolist()
+        s.q = None if q is None else q[:, :s.K]
+
+    def _verify(self, s: "StepRecord") -> None:
+        """All rows in ONE target pass over [pending, d_1..d_k]; a row whose logits are not
+        finite at the positions it verifies fails alone."""
+        pending = self._pending_tokens(s.reqs)  # [B,1]
+        x = torch.cat([pending, s.drafts], dim=1) if s.K else pending  # [B,K+1]
+        s.logits = self.target.forward(x, self.cache, s.rows, [n + 1 for n in s.num_l])  # [B,K+1,V]
+        s.t_accept = time.perf_counter()
+        finite = finite_positions(s.logits)  # sync: [B][K+1] flags
+        s.failed = {b: "the model's logits are not finite" for b in range(s.B)
+                    if not all(finite[b][:s.num_l[b] + 1])}
+
+    def _accept_rows(self, s: "StepRecord") -> None:
+        """Accept per row: greedy rows together, sampled rows each with its own random
+        source (noise keyed on (seed, position) for seeded rows, else a generator). A row
+        whose sampling distribution is not finite, or whose rule raises, fails alone."""
+        B, K, logits, drafts, num = s.B, s.K, s.logits, s.drafts, s.num
+        greedy = [b for b, r in enumerate(s.reqs) if r.params.sampling.greedy and b not in s.failed]
         if len(greedy) == B:  # every row greedy: no copy of the logits
-            out, n_acc = verify("greedy", logits, None, drafts, num, None)
-        else:
-            out = torch.full((B, K + 1), -1, dtype=torch.long)  # [B,K+1]
-            n_acc = torch.zeros(B, dtype=torch.long)  # [B]
-        if greedy and len(greedy) < B:
+            s.out, s.n_acc = verify("greedy", logits, None, drafts, num, None)
+            return
+        s.out = torch.full((B, K + 1), -1, dtype=torch.long)  # [B,K+1]
+        s.n_acc = torch.zeros(B, dtype=torch.long)  # [B]
+        if greedy:
             gi = torch.tensor(greedy)
-            o, a = verify("greedy", logits[gi], None, drafts[gi], num[gi], None)
-            out[gi], n_acc[gi] = o, a
-        for b, r in enumerate(reqs):
+            s.out[gi], s.n_acc[gi] = verify("greedy", logits[gi], None, drafts[gi], num[gi], None)
+        for b, r in enumerate(s.reqs):
             sp = r.params.sampling
-            if sp.greedy or b in failed:
+            if sp.greedy or b in s.failed:
                 continue
             try:
                 p = logits_to_probs(logits[b:b + 1], sp)  # [1,K+1,V]
                 if not bool(torch.isfinite(p[0, :int(num[b]) + 1]).all()):
                     raise FloatingPointError("the sampling distribution is not finite")
-                o, a = self._accept(b, r, p, q, drafts, num, n0[b], K)
+                o, a = self._accept(b, r, p, s.q, drafts, num, s.n0[b], K)
             except Exception as e:  # noqa: BLE001 - this row fails; the batch goes on
-                failed[b] = f"{type(e).__name__}: {e}"
+                s.failed[b] = f"{type(e).__name__}: {e}"
                 continue
-            out[b], n_acc[b] = o[0], a[0]
-        # 5. commit: append emitted tokens, apply stops, roll caches back to each row's length
-        out_l, acc_l = out.tolist(), n_acc.tolist()  # sync: one transfer for the whole batch
-        drafts_l = drafts.tolist()
+            s.out[b], s.n_acc[b] = o[0], a[0]
+
+    def _commit(self, s: "StepRecord") -> list[Request]:
+        """Append emitted tokens, apply stops, roll caches back to each row's length; end
+        the rows that finished or failed. -> the requests that finished."""
+        reqs = s.reqs
+        out_l, s.acc_l = s.out.tolist(), s.n_acc.tolist()  # sync: one transfer for the whole batch
+        drafts_l = s.drafts.tolist()
         # q of each draft token, for the audit's calibration test (rows verified by rejection)
-        qd_l = None if q is None else q.gather(-1, drafts[..., None]).squeeze(-1).tolist()  # [B,K]
-        committed, finished, n_out = [], [], 0
+        qd_l = None if s.q is None else s.q.gather(-1, s.drafts[..., None]).squeeze(-1).tolist()  # [B,K]
+        committed, finished = [], []
         for b, r in enumerate(reqs):
-            if b in failed:  # keeps its pre-step length; freed below
-                committed.append(n0[b] - 1)
+            if b in s.failed:  # keeps its pre-step length; freed below
+                committed.append(s.n0[b] - 1)
                 continue
-            emitted = out_l[b][:acc_l[b] + 1]
-            r.stats.record_step(num_l[b], acc_l[b])
-            r.stats.trace.append((n0[b], drafts_l[b][:num_l[b]], acc_l[b], k[b]))
+            n = s.num_l[b]
+            r.stats.record_step(n, s.acc_l[b])
+            r.stats.trace.append((s.n0[b], drafts_l[b][:n], s.acc_l[b], s.k[b]))
             if self.rule_for(r) not in ("rejection", "typical-lossy"):  # rules that draw with a generator
                 r.stats.draft_q.append(None)
             else:  # no q from the drafter: q is one-hot at its draft (prompt lookup)
-                r.stats.draft_q.append(qd_l[b][:num_l[b]] if qd_l is not None else [1.0] * num_l[b])
-            reason = self._append(r, emitted)
-            n_out += len(r.output_ids) - r.stats.generated_tokens
+                r.stats.draft_q.append(qd_l[b][:n] if qd_l is not None else [1.0] * n)
+            reason = self._append(r, out_l[b][:s.acc_l[b] + 1])
+            s.n_out += len(r.output_ids) - r.stats.generated_tokens
             r.stats.generated_tokens = len(r.output_ids)
             committed.append(self._committed_length(r))
             if reason:
                 finished.append((r, reason))
-        self.cache.truncate(rows, committed)
+        self.cache.truncate(s.rows, committed)
         if self.drafter is not None:
-            self.drafter.rollback(rows, committed)
+            self.drafter.rollback(s.rows, committed)
         for r, reason in finished:
             self._finish(r, reason)
-        for b, why in failed.items():
+        for b, why in s.failed.items():
             self._fail(reqs[b], why)
             finished.append((reqs[b], "error"))
-        # after the step: the policy never sees verdicts early. k is what it asked for as
-        # settled in steps 2-3: for a policy that halts or trims, where halt() stopped a
-        # row or what trim() kept of the drafts found (never more than were drafted, so a
-        # draft the drafter could not find is not counted as rejected); for any other, k
-        # as chosen, whatever the drafter found
-        self.policy.observe(reqs, k, acc_l)
-        self.policy.observe_costs(B, K + 1, sum(kb > 0 for kb in k), max(k), t2 - t1, t3 - t2)
         done = {id(r) for r, _ in finished}
         self.running = [r for r in reqs if id(r) not in done]
-        t4 = time.perf_counter()
-        self.times.draft_s += t2 - t1
-        self.times.verify_forward_s += t3 - t2
-        self.times.other_s += (t1 - t0 - prep_s) + (t4 - t3)
-        self.times.steps += 1
-        self.times.per_step.append((B, sum(num_l), n_out, t4 - t0 - prep_s))  # prefill left out
         return [r for r, _ in finished]
+
+    def _observe(self, s: "StepRecord") -> None:
+        """After the step, the policy learns its outcome (never earlier: it sees no verdict
+        before it chose): s.k as settled in _propose, accepted drafts per row, and times."""
+        self.policy.observe(s.reqs, s.k, s.acc_l)
+        draft_s, verify_s = s.t_verify - s.t_draft, s.t_accept - s.t_verify
+        self.policy.observe_costs(s.B, s.K + 1, sum(kb > 0 for kb in s.k), max(s.k), draft_s, verify_s)
+        t_end = time.perf_counter()
+        self.times.draft_s += draft_s
+        self.times.verify_forward_s += verify_s
+        self.times.other_s += (s.t_draft - s.t0 - s.prep_s) + (t_end - s.t_accept)
+        self.times.steps += 1
+        self.times.per_step.append((s.B, sum(s.num_l), s.n_out, t_end - s.t0 - s.prep_s))  # prefill left out
 
     def rule_for(self, r: Request) -> str:
         """The rule that verifies request r's rows: greedy at temperature 0; typical-lossy
