@@ -76,3 +76,20 @@ def test_coupled_distribution(models):
     res = test_uniform(engine_pit(target, reqs, g).numpy())
     assert res.n >= 5000
     assert res.passed(1e-3), res
+
+
+def test_the_rule_is_resolved_once_at_admission():
+    """Engine.add settles a request's verification rule; the step and every reader see that
+    one (Engine.rule_for), whatever happens to the engine's configuration afterwards."""
+    from verispec.sampling import SamplingParams
+
+    eng = Engine(native_from_hf(tiny_hf("llama")), None, None, EngineConfig(max_batch=2, max_len=64, rule="coupled"))
+    greedy = Request([1, 2, 3], GenerationParams(max_new_tokens=4))
+    unseeded = Request([1, 2, 3], GenerationParams(max_new_tokens=4, sampling=SamplingParams(temperature=1.0)))
+    assert greedy.rule is None and unseeded.rule is None
+    eng.add(greedy)
+    eng.add(unseeded)
+    assert (greedy.rule, unseeded.rule) == ("greedy", "coupled")  # a coupled engine seeds an unseeded row
+    assert unseeded.params.sampling.seed is not None
+    eng.config = EngineConfig(max_batch=2, max_len=64, rule="typical-lossy")
+    assert eng.rule_for(unseeded) == "coupled"

@@ -145,6 +145,7 @@ class Engine:
             req.params = replace(req.params, sampling=replace(sp, coupled=True, seed=seed))
         if req.generator is None:
             req.generator = req.params.sampling.make_generator()
+        req.rule = self._resolve_rule(req.params.sampling)
         self.waiting.append(req)
 
     def cancel(self, req: Request) -> None:
@@ -398,10 +399,13 @@ class Engine:
         self.times.per_step.append((s.B, sum(s.num_l), s.n_out, t_end - s.t0 - s.prep_s))  # prefill left out
 
     def rule_for(self, r: Request) -> str:
-        """The rule that verifies request r's rows: greedy at temperature 0; typical-lossy
-        on an engine that runs it; coupled for a seeded (keyed) request, so its tokens are
-        those of seeded plain decoding; rejection (with the request's generator) otherwise."""
-        sp = r.params.sampling
+        """The rule that verifies request r's rows, as add() resolved it."""
+        return r.rule if r.rule is not None else self._resolve_rule(r.params.sampling)
+
+    def _resolve_rule(self, sp) -> str:
+        """Greedy at temperature 0; typical-lossy on an engine that runs it; coupled for a
+        seeded (keyed) request, so its tokens are those of seeded plain decoding; rejection
+        (with the request's generator) otherwise."""
         if sp.greedy:
             return "greedy"
         if self.config.rule == "typical-lossy":

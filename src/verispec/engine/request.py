@@ -97,6 +97,7 @@ class Request:
     # engine-owned state
     row: int | None = None
     generator: torch.Generator | None = None
+    rule: str | None = None  # the verification rule, resolved once at admission (Engine.add)
 
     def __post_init__(self):
         if not self.prompt_ids:
