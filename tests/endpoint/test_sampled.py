@@ -283,3 +283,12 @@ def test_the_drafted_token_test_is_exact_and_sees_a_relaxed_acceptance():
     relaxed = distribution_figures(_lookup_answers(2.0))
     assert not relaxed["passed"] and "drafted-token test" in relaxed["reason"]
     assert relaxed["lookup"]["z"] > 5 and [t["test"] for t in relaxed["tests"]] == ["pit", "drafted-token"]
+
+
+def test_a_server_that_fails_every_sampled_request_is_inconclusive_and_says_why():
+    """vLLM's CPU build answers 500 to every request under rejection_sample_method
+    "synthetic" (an assertion in its CPU sampler): the check fails, naming the error."""
+    res = [PromptResult(f"p{i}", "s", error="HTTP 500: Internal Server Error") for i in range(5)]
+    f = distribution_figures(EndpointRun("http://x", "m", "vllm", True, [LevelRun(8, 1.0, res, None)]))
+    assert not f["passed"] and f["failed_answers"] == 5
+    assert f["reason"] == "inconclusive: all 5 sampled requests failed (first: HTTP 500: Internal Server Error)"

@@ -325,10 +325,14 @@ def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, 
                                                            seen["tokens"])
     figures["observed"]["follows_convention"] = contradiction is None
     if len(us) < min_tokens:
-        figures.update(ks_statistic=None, p_value=None, passed=False,
-                       reason=f"inconclusive: {len(us)} scored tokens (< {min_tokens}); the server returned "
-                              "no usable logprobs" if not us else f"inconclusive: only {len(us)} scored tokens"
-                              + (f"; {coverage_gap}" if without else ""))
+        first_error = next((r.error for r in answers if r.error), None)
+        if answers and errors == len(answers):  # nothing to score: say why the requests failed
+            reason = f"inconclusive: all {errors} sampled requests failed (first: {first_error})"
+        elif not us:
+            reason = f"inconclusive: {len(us)} scored tokens (< {min_tokens}); the server returned no usable logprobs"
+        else:
+            reason = f"inconclusive: only {len(us)} scored tokens" + (f"; {coverage_gap}" if without else "")
+        figures.update(ks_statistic=None, p_value=None, passed=False, reason=reason)
         return figures
     t = test_uniform(us)
     lk = lookup_test(lookup_points)
