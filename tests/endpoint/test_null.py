@@ -89,3 +89,17 @@ def test_compare_and_margin_at():
     assert compare([ref], [broken], 1).rows[0]["error"].startswith("ReadError")
     with pytest.raises(ValueError, match="order"):
         compare([ref], [PromptResult("b", "s", text="x")], 1)
+
+
+def test_the_margin_is_read_at_the_first_token_that_differs():
+    """Two answers that list their tokens: the choice was at the first token that differs
+    (" met" + "re" against " meter"), where the reference may have been torn, not at the
+    token holding the first differing character ("re", where it was sure)."""
+    ref = PromptResult("a", "s", text="800 metre road", tokens=["800", " met", "re", " road"],
+                       token_logprobs=[-1] * 4, top2_margins=[5.0, 0.2, 9.6, 4.0], finish_reason="length")
+    other = PromptResult("a", "s", text="800 meter road", tokens=["800", " meter", " road"],
+                         token_logprobs=[-1] * 3, top2_margins=[5.0, 0.2, 4.0], finish_reason="length")
+    row = compare([ref], [other], 1).rows[0]
+    assert row["first_divergence"] == 7 and row["margin"] == 0.2
+    no_tokens = PromptResult("a", "s", text="800 meter road", finish_reason="length")
+    assert compare([ref], [no_tokens], 1).rows[0]["margin"] == 9.6  # without them: the character's token

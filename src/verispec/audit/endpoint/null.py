@@ -42,15 +42,38 @@ from .client import PromptResult, first_divergence
 ALPHA = 0.01  # family-wise, over the load levels (Bonferroni)
 
 
-def margin_at(ref: PromptResult, char: int) -> float | None:
-    """The reference's top-2 logprob margin at the token holding character `char`."""
+def margin_at(ref: PromptResult, char: int, other: PromptResult | None = None) -> float | None:
+    """The reference's top-2 logprob margin at the choice where `other` left it.
+
+    Where both answers list every token they emitted (their token texts join to their
+    texts), that choice is the first token that differs, which can lie before the first
+    differing character: "met" + "re" against "meter" first differ in characters inside
+    "re", where the reference was sure of itself, but the choice was "met" against "meter".
+    Otherwise, the token holding the first differing character `char`."""
     if not ref.tokens or not ref.top2_margins:
         return None
+    a, b = _complete_tokens(ref), _complete_tokens(other) if other is not None else None
+    if a is not None and b is not None and a[0] == b[0]:  # both ids, or both texts
+        a, b = a[1], b[1]
+        n = min(len(a), len(b))
+        i = next((j for j in range(n) if a[j] != b[j]), n)
+        return ref.top2_margins[i] if i < len(ref.top2_margins) else None
     end = 0
     for tok, margin in zip(ref.tokens, ref.top2_margins):
         end += len(tok)
         if end > char:
             return margin
+    return None
+
+
+def _complete_tokens(r: PromptResult) -> tuple[str, list] | None:
+    """Every token the answer emitted: ("ids", ids) where the server gave all of them, else
+    ("texts", texts) where they join to the answer's text; None when its list has gaps."""
+    ids = r.token_ids
+    if ids and all(t is not None for t in ids) and r.completion_tokens in (None, len(ids)):
+        return "ids", list(ids)
+    if r.tokens and "".join(r.tokens) == (r.text or ""):
+        return "texts", list(r.tokens)
     return None
 
 
@@ -96,7 +119,7 @@ def compare(base: list[PromptResult], got: list[PromptResult], concurrency: int)
         err = None if (b.ok and g.ok) else (f"base: {b.error}" if not b.ok else g.error)
         at = first_divergence(b.text, g.text) if err is None else None
         out.rows.append({"id": g.id, "slice": g.slice, "exact": err is None and at is None,
-                         "first_divergence": at, "margin": margin_at(b, at) if at is not None else None,
+                         "first_divergence": at, "margin": margin_at(b, at, g) if at is not None else None,
                          "error": err})
     return out
 
