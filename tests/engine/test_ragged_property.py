@@ -6,6 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tests.tiny import assert_varied, native_from_hf, tiny_hf
+from verispec.drafters import Drafter
 from verispec.engine import Engine, EngineConfig, GenerationParams, Request
 from verispec.policy import FixedK
 
@@ -26,7 +27,7 @@ def _target():
     return _M["t"], _M["ref"]
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the reference continuation, each token right with probability rate[row]."""
 
     name = "oracle"

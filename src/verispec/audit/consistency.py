@@ -101,7 +101,7 @@ def check_request(oracle: Oracle, req, k: int, logits_cache: dict,
 def drafter_consistency_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
     probe = ctx.drafter_factory(1, 8)
     oracle = oracle_for(probe, ctx.model)
-    name = getattr(probe, "name", type(probe).__name__)
+    name = probe.name
     if oracle is None:
         return CheckResult("drafter-consistency", True,
                            f"not applicable: no reference implementation for drafter {name!r}",

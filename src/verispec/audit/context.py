@@ -212,7 +212,7 @@ class AuditContext:
         decoding only (the load sweep); the checks that compare outputs prefill afresh."""
         k = self.config.k
         drafter = self.drafter_factory(batch, max_len + k + 2) if speculative else None
-        if prompt_caches is not None and hasattr(drafter, "prompt_cache"):
+        if prompt_caches is not None and drafter is not None and drafter.reuses_prefills:
             drafter.prompt_cache = prompt_caches[1]
         if policy is None:
             policy = FixedK(k if drafter is not None else 0)

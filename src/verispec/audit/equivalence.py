@@ -30,7 +30,7 @@ def tie_margin_for(model) -> dict:
     speculation: its margin is its own measured batching noise (models/noise.py: the
     largest change of a top-2 gap, against a fresh single-row decode), measured once per
     model, on the threads in use, and never below TIE_MARGIN."""
-    if not getattr(model, "noisy_numerics", False):
+    if not model.noisy_numerics:
         return {"value": TIE_MARGIN, "source": "fixed (fp32 backend)"}
     if model not in _MEASURED:
         from ..models.noise import batching_noise
@@ -38,7 +38,7 @@ def tie_margin_for(model) -> dict:
         noise = batching_noise(model, seeds=(0, 1, 2))
         _MEASURED[model] = {"value": max(TIE_MARGIN, noise["margin"]),
                             "source": "measured batching noise of the backend (models/noise.py)",
-                            "backend": getattr(model, "backend", None), "noise_logit": noise["logit"],
+                            "backend": model.backend, "noise_logit": noise["logit"],
                             "noise_top2_gap": noise["margin"], "seconds": round(time.perf_counter() - t0, 1)}
     return dict(_MEASURED[model])
 

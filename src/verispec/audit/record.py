@@ -43,7 +43,7 @@ def _suite_digest(ctx: AuditContext) -> str:
 def build_record(ctx: AuditContext, target_files, draft_files, started: str) -> dict:
     cfg = ctx.config
     probe = ctx.drafter_factory(1, 8)
-    drafter = {"spec": cfg.draft, "name": getattr(probe, "name", type(probe).__name__), "k": cfg.k,
+    drafter = {"spec": cfg.draft, "name": probe.name, "k": cfg.k,
                "policy": f"FixedK({cfg.k})" if cfg.policy == "fixed" else f"adaptive (k <= {cfg.k})", "model_files": _files(draft_files)}
     greedy_len = max(map(len, ctx.prompt_ids)) + cfg.sizes.max_new_tokens
     rec = {
@@ -53,13 +53,13 @@ def build_record(ctx: AuditContext, target_files, draft_files, started: str) -> 
         "drafter": drafter,
         "rule": cfg.rule,
         "engine": {"rule": cfg.rule, "batch_invariant": cfg.batch_invariant,
-                   "backend": getattr(ctx.model, "runtime", "native"), "kernels": getattr(ctx.model, "backend", None),
+                   "backend": ctx.model.runtime, "kernels": ctx.model.backend,
                    "batch_sizes": list(cfg.greedy_batch_sizes),
                    "max_len_greedy": greedy_len,
                    # the adaptive policy's cost model: one, timed at the largest batch size
                    "cost_model": ({"max_batch": ctx.costs["max_batch"], "source": ctx.costs["source"]}
                                   if ctx.costs else None),
-                   "dtype": "float32" if getattr(ctx.model, "runtime", "native") == "native" else "GGUF as shipped"},
+                   "dtype": "float32" if ctx.model.runtime == "native" else "GGUF as shipped"},
         "seed": cfg.seed,
         "temperature": cfg.temperature,
         "temperatures": list(cfg.temperatures),

@@ -66,7 +66,7 @@ def drafter_factory_from_spec(spec: str, target_model, tokenizer) -> tuple[Draft
                                                    max_len=max_len)), None
     from ..drafters.draft_model import DraftModelDrafter, check_same_tokenizer
     from ..models import load_model
-    loaded = load_model(spec, progress=False, backend=getattr(target_model, "runtime", None))  # the target's backend
+    loaded = load_model(spec, progress=False, backend=target_model.runtime)  # the target's backend
     check_same_tokenizer(loaded.tokenizer, tokenizer)
     V = target_model.config.vocab_size
     return (lambda rows, max_len: DraftModelDrafter(loaded.model, V, max_rows=rows, max_len=max_len,

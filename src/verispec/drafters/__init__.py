@@ -50,7 +50,7 @@ def make_drafter(spec: str | None, target, target_tokenizer, *, max_rows: int, m
         return LayerSkipDrafter(target, n)
     from ..models import load_model
     from .draft_model import DraftModelDrafter
-    loaded = load_model(spec, progress=progress, backend=getattr(target, "runtime", None))
+    loaded = load_model(spec, progress=progress, backend=target.runtime)
     return DraftModelDrafter(loaded.model, target.config.vocab_size, max_rows=max_rows,
                              max_len=max_len, draft_tokenizer=loaded.tokenizer,
                              target_tokenizer=target_tokenizer, name=spec)

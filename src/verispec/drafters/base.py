@@ -3,7 +3,7 @@ steps the drafters with a model share."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from abc import ABC, abstractmethod
 
 import torch
 
@@ -11,19 +11,36 @@ from ..sampling import SamplingParams, logits_to_probs, sample_token
 from ..verify.rules import argmax_last
 
 
-class Drafter(Protocol):
-    name: str
+class Drafter(ABC):
+    """Base of every drafter: the protocol's five methods to implement (drafters/__init__.py),
+    and the capabilities a caller may use stated here with their defaults, so that no caller
+    probes a drafter for them."""
 
+    name: str = "drafter"
+    halts: bool = False  # propose() takes a halt rule (the adaptive policy's stopping rule)
+    reuses_prefills: bool = False  # its prefills can be served from a models.prefill.PromptCache
+
+    prompt_cache = None  # with reuses_prefills: the PromptCache its prefills read and fill
+
+    def bind_cache(self, cache) -> None:
+        """The engine's target cache, once, before any request (a drafter that drafts from
+        the target's own cache, layer-skip, keeps it; the others need nothing of it)."""
+
+    @abstractmethod
     def admit(self, rows: list[int], tokens: list[list[int]]) -> None: ...
 
+    @abstractmethod
     def prepare(self, rows: list[int], tokens: list[list[int]]) -> None: ...
 
+    @abstractmethod
     def propose(self, rows: list[int], tokens: list[list[int]], k: list[int],
                 sampling: list[SamplingParams], generators: list
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
 
+    @abstractmethod
     def rollback(self, rows: list[int], committed: list[int]) -> None: ...
 
+    @abstractmethod
     def release(self, rows: list[int]) -> None: ...
 
 

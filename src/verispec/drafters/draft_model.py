@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..models.prefill import prefill
-from .base import apply_halt, draft_from_logits
+from .base import Drafter, apply_halt, draft_from_logits
 
 
 class TokenizerMismatchError(ValueError):
@@ -30,8 +30,9 @@ def check_same_tokenizer(draft_tok, target_tok) -> None:
             "needs both to share one vocabulary (pick a draft from the same model family)")
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     halts = True  # propose() takes a halt rule (see drafters/__init__.py)
+    reuses_prefills = True
 
     def __init__(self, model, target_vocab: int, *, max_rows: int, max_len: int,
                  draft_tokenizer=None, target_tokenizer=None, name: str = "draft-model",

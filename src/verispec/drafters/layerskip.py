@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from .base import apply_halt, draft_from_logits
+from .base import Drafter, apply_halt, draft_from_logits
 
 
-class LayerSkipDrafter:
+class LayerSkipDrafter(Drafter):
     halts = True  # propose() takes a halt rule (see drafters/__init__.py)
 
     def __init__(self, target, num_layers: int):
-        if not getattr(target, "partial_layers", True):  # the CausalLM protocol says whether it can
+        if not target.partial_layers:  # the CausalLM protocol says whether it can
             from ..models.ggml import LAYER_SKIP_UNSUPPORTED, UnsupportedFeatureError
             raise UnsupportedFeatureError(f"{target.runtime} backend: {LAYER_SKIP_UNSUPPORTED}")
         L = target.config.num_layers

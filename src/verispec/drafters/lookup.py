@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .base import Drafter
+
 
 def lookup_continuation(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
     """Up to k tokens continuing the longest suffix n-gram's most recent earlier match."""
@@ -20,7 +22,7 @@ def lookup_continuation(tokens: list[int], k: int, max_ngram: int = 3, min_ngram
     return []
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     name = "lookup"
 
     def __init__(self, max_ngram: int = 3):

@@ -118,7 +118,7 @@ class Engine:
         self.config = config
         slack = self.policy.max_k + 1  # a verify pass may write past the last kept token
         self.cache = target.new_cache(config.max_batch, config.max_len + slack)
-        if hasattr(drafter, "bind_cache"):
+        if drafter is not None:
             drafter.bind_cache(self.cache)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -288,7 +288,7 @@ class Engine:
             s.prep_s = time.perf_counter() - tp
             self.times.prefill_s += s.prep_s
         s.t_draft = time.perf_counter()
-        halt = self.policy.halt if self.policy.halts and getattr(self.drafter, "halts", False) else None
+        halt = self.policy.halt if self.policy.halts and self.drafter.halts else None
         if max(k) > 0:
             kw = {} if halt is None else {"halt": lambda i, active, conf: halt(reqs, k, i, active, conf)}
             drafts, q, num = self.drafter.propose(rows, [r.tokens for r in reqs], k,

@@ -54,8 +54,9 @@ class CausalLM(Protocol):
 
     def fingerprint(self) -> str: ...
 
-    runtime: str
-    partial_layers: bool
+    runtime: str  # "native" or "ggml"
+    partial_layers: bool  # forward(num_layers < L) runs the first layers (layer-skip drafting)
+    noisy_numerics: bool  # batching moves its logits beyond fp32 rounding (the audit measures how far)
 
 
 BACKENDS = ("native", "ggml")

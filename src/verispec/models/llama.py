@@ -64,6 +64,7 @@ class LlamaModel:
 
     runtime = "native"
     partial_layers = True  # forward(num_layers=N) runs the first N layers (layer-skip)
+    noisy_numerics = False  # fp32: batching moves a logit within the audit's fixed TIE_MARGIN
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *,
                  batch_invariant: bool = False):

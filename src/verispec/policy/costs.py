@@ -212,7 +212,7 @@ def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = ME
         d_s = [t / max_k for t in timed_grid([prop(m) for m in d_pts])]
     free = not isinstance(drafter, (DraftModelDrafter, LayerSkipDrafter))
     return CostModel(tuple(bps), tuple(tps), grid, tuple(d_pts), tuple(d_s), draft_free=free,
-                     halts=bool(getattr(drafter, "halts", False)))
+                     halts=drafter.halts)
 
 
 # -- the disk cache ---------------------------------------------------------------------

@@ -106,7 +106,7 @@ class ServerState:
         # no token decodes to more characters than this: a longer text cannot fit the context
         self.max_token_chars = max(1, max(len(tokenizer.decode([i])) for i in range(self.vocab_size)))
         self.metrics = Metrics(config.model_name, {
-            "drafter": config.drafter or ("none" if engine.drafter is None else getattr(engine.drafter, "name", "?")),
+            "drafter": config.drafter or ("none" if engine.drafter is None else engine.drafter.name),
             "k": str(self.k), "policy": self.policy, "rule": self.rule, "lossy": str(self.lossy).lower(),
             "max_batch": str(engine.config.max_batch), "max_len": str(self.max_len)})
         self.worker = EngineWorker(engine, self.metrics, config.max_queue)
