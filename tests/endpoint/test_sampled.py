@@ -282,7 +282,63 @@ def test_the_drafted_token_test_is_exact_and_sees_a_relaxed_acceptance():
         assert exact["lookup"]["positions"] > 500 and exact["passed"], exact["reason"]
     relaxed = distribution_figures(_lookup_answers(2.0))
     assert not relaxed["passed"] and "drafted-token test" in relaxed["reason"]
-    assert relaxed["lookup"]["z"] > 5 and [t["test"] for t in relaxed["tests"]] == ["pit", "drafted-token"]
+    assert relaxed["lookup"]["z"] > 5 and [t["test"] for t in relaxed["tests"]] == ["pit", "pit-drafted", "drafted-token"]
+
+
+def _garbage_temperature_answers(seed: int, fault: bool, n_answers: int = 40, n_tokens: int = 60,
+                                 vocab: int = 30) -> EndpointRun:
+    """Answers whose prompts repeat a phrase, so prompt lookup has a candidate d at some
+    positions (a minority). Where it has one and `fault`, the target's p is first raised to a
+    random power (an uninitialised temperature, vllm-project/vllm#55005) and the one-hot
+    draft d is verified exactly against that p': accept with p'(d), else draw from p' without
+    d. Everywhere else, and at every position without `fault`, the token is drawn from p."""
+    from verispec.drafters.lookup import lookup_continuation
+    rng = np.random.default_rng(seed)
+    results, drafted = [], 0
+    for a in range(n_answers):
+        phrase = [int(x) for x in rng.integers(0, vocab, 5)]
+        prompt = phrase + [int(x) for x in rng.integers(0, vocab, 6)] + phrase[:3]
+        ctx, ids, tops = list(prompt), [], []
+        for _ in range(n_tokens):
+            p = rng.dirichlet(np.full(vocab, 0.2))
+            cand = lookup_continuation(ctx, 1, 4, 2)
+            if cand and fault:
+                drafted += 1
+                pt = p ** (1 / np.exp(rng.uniform(np.log(0.01), np.log(100))))
+                pt /= pt.sum()
+                d = cand[0]
+                if rng.random() < pt[d]:
+                    x = d
+                else:
+                    rest = pt.copy()
+                    rest[d] = 0
+                    x = int(rng.choice(vocab, p=rest / rest.sum()))
+            else:
+                x = int(rng.choice(vocab, p=p))
+            ids.append(x)
+            ctx.append(x)
+            tops.append([(int(j), float(np.log(p[j]))) for j in np.argsort(-p)[:8]])
+        results.append(PromptResult(f"a{a}", "s", text="x", finish_reason="length", completion_tokens=n_tokens,
+                                    tokens=[str(i) for i in ids], token_logprobs=[0.0] * n_tokens, token_ids=ids,
+                                    top=tops, prompt_ids=prompt))
+    return EndpointRun("http://x", "m", "llama.cpp", True, [LevelRun(8, 1.0, results, None)])
+
+
+def test_the_pit_where_prompt_lookup_drafts_sees_a_fault_the_pooled_pit_dilutes():
+    """Garbage temperatures at the drafted positions alone, a minority of the tokens: the
+    pooled PIT does not reject, the PIT of the positions with a lookup candidate does; the
+    exact sampler passes all three tests."""
+    for seed in range(3):
+        exact = distribution_figures(_garbage_temperature_answers(seed, fault=False))
+        assert exact["passed"], exact["reason"]
+        assert [t["test"] for t in exact["tests"]] == ["pit", "pit-drafted", "drafted-token"]
+        assert exact["correction"] == "Bonferroni over 3 tests"
+    bad = distribution_figures(_garbage_temperature_answers(0, fault=True))
+    tests = {t["test"]: t for t in bad["tests"]}
+    assert bad["drafted_positions"] < 0.4 * bad["n"]  # a minority of the positions
+    assert tests["pit"]["passed"] and tests["drafted-token"]["passed"]
+    assert not tests["pit-drafted"]["passed"] and not bad["passed"]
+    assert "where prompt lookup has a candidate" in bad["reason"]
 
 
 def test_a_server_that_fails_every_sampled_request_is_inconclusive_and_says_why():

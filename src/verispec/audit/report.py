@@ -154,7 +154,9 @@ def plot_pngs(report: dict) -> dict[str, bytes]:
     tests = {t["test"]: t for t in (d["figures"].get("tests") or [])} if d else {}
     if tests:  # one panel per test family: three PIT histograms and the calibration curve
         fig, axes = plt.subplots(2, 2, figsize=(7.5, 5.2))
-        for ax, name in zip(axes.flat[:3], ("pit", "recovered", "bonus")):
+        # the engine's families (recovered, bonus), or from outside the drafted positions' own PIT
+        panels = ("pit", "pit-drafted", "recovered") if "pit-drafted" in tests else ("pit", "recovered", "bonus")
+        for ax, name in zip(axes.flat[:3], panels):
             t = tests.get(name)
             if t is None or not t.get("histogram"):
                 ax.text(0.5, 0.5, f"{name}: not tested", ha="center", va="center", fontsize=9)
