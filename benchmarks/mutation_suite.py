@@ -1,5 +1,5 @@
 """The audit's mutation suite: run `verispec audit --quick` once per fault of
-engine/faults.py (and per drafter), plus the correct engine on several seeds, and check
+audit/faults.py (and per drafter), plus the correct engine on several seeds, and check
 that every fault fails the audit (naming a check) and the correct engine passes.
 
     python3 benchmarks/mutation_suite.py                        # default drafter (lookup)
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from verispec.engine.faults import EXPECTED_CHECK, FAULTS, parse
+from verispec.audit.faults import EXPECTED_CHECK, FAULTS, parse
 
 
 

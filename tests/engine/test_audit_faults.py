@@ -1,15 +1,17 @@
-"""The audit can fail: each fault of engine/faults.py, and the typical (lossy) rule, make a
+"""The audit can fail: each fault of audit/faults.py, and the typical (lossy) rule, make a
 whole audit (tiny random models, tests/audit_tiny.py) FAIL with the right check named in
-report.json; the same audit without a fault PASSES."""
+report.json; the same audit without a fault PASSES. A fault is hooks in the engines under
+audit: no module or class of the package is changed by building or running one."""
 
 import inspect
 import json
+import sys
 
 import pytest
 
 from tests.audit_tiny import one_thread, tiny_audit, tiny_models
 from verispec.audit.report import write_reports
-from verispec.engine.faults import EXPECTED_CHECK, FAULTS
+from verispec.audit.faults import EXPECTED_CHECK, FAULTS, build
 
 CAUGHT_BY = EXPECTED_CHECK  # the check that must catch each fault (others may fail too)
 CHECKS = ["lossy-rule", "equivalence", "distribution", "seeded", "stopping", "drafter-consistency", "corruption", "slices",
@@ -109,7 +111,7 @@ def test_audit_passes_without_fault_with_each_drafter(models, tmp_path, drafter)
 
 
 def test_relaxed_acceptance_takes_its_factor():
-    from verispec.engine.faults import parse
+    from verispec.audit.faults import parse
     assert parse("relaxed-acceptance:1.25") == ("relaxed-acceptance", 1.25)
     assert parse("row-leak") == ("row-leak", None)
     for bad in ("relaxed-acceptance:0.9", "relaxed-acceptance:x", "row-leak:2", "no-such-fault"):
@@ -124,26 +126,71 @@ def _assert_caught(result, tmp_path, fault):
     assert report["record"]["inject_fault"] == fault
     check = next(c for c in report["checks"] if c["name"] == CAUGHT_BY[fault])
     assert check["passed"] is False and check["summary"]
-    assert _seams() == SEAMS  # the fault was lifted when the audit ended
+    assert _changed(PACKAGE) == []  # the audit changed no module or class
 
 
-def _seams():
-    """The members engine/faults.py patches, as found now."""
-    from verispec.drafters import draft_model, layerskip, lookup
-    from verispec.engine import core
-    from verispec.models import llama
-    from verispec.verify import rules
-    return [inspect.getattr_static(core.Engine, "_committed_length"),
-            inspect.getattr_static(core.Engine, "_pending_tokens"), inspect.getattr_static(core.Engine, "_append"),
-            inspect.getattr_static(core.Engine, "_draft_budget"), inspect.getattr_static(core.Engine, "_accept"),
-            llama._positions, core.keyed_gumbel, core.logits_to_probs, rules.sample_from_probs, rules.RULES,
-            inspect.getattr_static(draft_model.DraftModelDrafter, "_unseen"),
-            draft_model.draft_from_logits, layerskip.draft_from_logits,
-            inspect.getattr_static(lookup.PromptLookupDrafter, "propose"),
-            inspect.getattr_static(layerskip.LayerSkipDrafter, "propose")]
+def _package_state(modules=None) -> dict:
+    """What patching would change: every function and class of each verispec module, every
+    attribute of its classes, and the callables in its module-level dicts (dispatch tables),
+    by identity. Scalars and caches a module fills as it runs (kernel handles, memos) are
+    left out. modules: the names to read (default: every verispec module imported now)."""
+    names = modules if modules is not None else [m for m in sys.modules if m.split(".")[0] == "verispec"]
+    state = {}
+    for name in sorted(set(names)):
+        mod = sys.modules[name]
+        for attr, value in list(vars(mod).items()):
+            if inspect.isfunction(value) or inspect.isclass(value):
+                state[name, attr] = id(value)
+                if inspect.isclass(value) and value.__module__ == name:
+                    state[name, attr, "vars"] = {a: id(v) for a, v in vars(value).items()}
+            elif isinstance(value, dict):
+                state[name, attr] = (id(value), {k: id(v) for k, v in value.items() if callable(v)})
+    return state
 
 
-SEAMS = _seams()
+def _changed(before: dict) -> list[str]:
+    """The entries of `before` (a _package_state) that read differently now."""
+    after = _package_state(modules=[key[0] for key in before])
+    return sorted(str(key) for key in before if before[key] != after.get(key))
+
+
+PACKAGE = _package_state()
+
+
+def test_no_module_or_class_is_patched(models):
+    """Build and run every fault's engine, with each kind of drafter and greedy, sampled
+    and seeded rows: afterwards every module and class reads as before, and a correct
+    engine on the same models still gives the output it gave first."""
+    import torch
+
+    from tests.audit_tiny import V, tiny_drafter_factory
+    from verispec.engine import Engine, EngineConfig, GenerationParams, Request
+    from verispec.policy import FixedK
+    from verispec.sampling import SamplingParams
+
+    target, _ = models
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, V, (int(n),), generator=g).tolist() for n in (5, 12, 9, 20)]
+    prompts[1] = (prompts[1][:3] * 4)[:12]  # repetitive: prompt lookup drafts
+    # greedy; rejection sampling (a seeded generator) plain and with top-k; keyed noise
+    sampling = [SamplingParams(), SamplingParams(temperature=0.7, seed=4, coupled=False),
+                SamplingParams(temperature=1.0, top_k=8, seed=6, coupled=False), SamplingParams(temperature=0.7, seed=5)]
+
+    def run(make, kind):
+        reqs = [Request(p, GenerationParams(max_new_tokens=12, sampling=sp, stop_token_ids=(2,)))
+                for p, sp in zip(prompts, sampling)]
+        make(target, tiny_drafter_factory(models, kind)(4, 40), FixedK(3),
+             EngineConfig(max_batch=4, max_len=40)).run(reqs)
+        return [r.output_ids for r in reqs]
+
+    kinds = ("lookup", "layerskip", "draft-model")
+    first = {kind: run(Engine, kind) for kind in kinds}  # also fills the caches modules keep
+    before = _package_state()
+    for name in FAULTS:
+        for kind in kinds:
+            run(build(name).engine, kind)
+        assert _changed(before) == [], name
+    assert {kind: run(Engine, kind) for kind in kinds} == first
 
 
 @pytest.mark.parametrize("kind", ["lookup", "layerskip", "draft-model"])

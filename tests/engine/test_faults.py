@@ -1,5 +1,6 @@
-"""Each injected fault really breaks the engine (so the audit has something to catch),
-and the engine is exact again once the fault is lifted."""
+"""Each injected fault really breaks the engine it is built into (so the audit has
+something to catch), and only that engine: a correct engine on the same models, built
+before, beside or after it, stays exact."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from tests.tiny import native_from_hf, tiny_hf
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.engine import Engine, EngineConfig, GenerationParams, Request
-from verispec.engine.faults import EXPECTED_CHECK, inject
+from verispec.audit.faults import EXPECTED_CHECK, FAULTS, build
 from verispec.policy import FixedK
 
 V = 53
@@ -26,11 +27,15 @@ def setup():
     return target, draft, prompts
 
 
-def _run(target, draft, prompts):
-    eng = Engine(target, DraftModelDrafter(draft, V, max_rows=6, max_len=80), FixedK(3),
-                 EngineConfig(max_batch=6, max_len=70))
+def _engine(target, draft, fault=None):
+    make = Engine if fault is None else build(fault).engine
+    return make(target, DraftModelDrafter(draft, V, max_rows=6, max_len=80), FixedK(3),
+                EngineConfig(max_batch=6, max_len=70))
+
+
+def _run(target, draft, prompts, fault=None):
     reqs = [Request(p, GenerationParams(max_new_tokens=24)) for p in prompts]
-    eng.run(reqs)
+    _engine(target, draft, fault).run(reqs)
     return reqs
 
 
@@ -43,10 +48,35 @@ GREEDY_VISIBLE = sorted(f for f, check in EXPECTED_CHECK.items() if check == "eq
 def test_fault_changes_greedy_output(setup, fault):
     target, draft, prompts = setup
     ref = [r.output_ids for r in _run(target, draft, prompts)]
-    with inject(fault):
-        bad = [r.output_ids for r in _run(target, draft, prompts)]
+    bad = [r.output_ids for r in _run(target, draft, prompts, fault)]
     assert bad != ref
-    assert [r.output_ids for r in _run(target, draft, prompts)] == ref  # lifted cleanly
+    assert [r.output_ids for r in _run(target, draft, prompts)] == ref  # nothing left behind
+
+
+@pytest.mark.parametrize("fault", GREEDY_VISIBLE)
+def test_fault_stays_in_its_engine(setup, fault):
+    """A faulty engine and a correct one on the same target and draft model, stepped in
+    turn: the correct one's output is the reference's, the faulty one's is not."""
+    target, draft, prompts = setup
+    ref = [r.output_ids for r in _run(target, draft, prompts)]
+    engines = {f: _engine(target, draft, f) for f in (None, fault)}
+    reqs = {f: [Request(p, GenerationParams(max_new_tokens=24)) for p in prompts] for f in engines}
+    for f, eng in engines.items():
+        for r in reqs[f]:
+            eng.add(r)
+    while any(eng.has_work for eng in engines.values()):
+        for eng in engines.values():
+            if eng.has_work:
+                eng.step()
+    assert [r.output_ids for r in reqs[None]] == ref
+    assert [r.output_ids for r in reqs[fault]] != ref
+
+
+def test_every_fault_builds_its_hooks():
+    for name in FAULTS:
+        f = build(name)
+        assert f.name == name and (f.step, f.drafter, f.positions) != (None, None, None)
+    assert build("relaxed-acceptance:1.25").name == "relaxed-acceptance:1.25"
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +107,11 @@ class LagSpy(DraftModelDrafter):
         return out
 
 
-def _run_spy(target, draft, prompts):
+def _run_spy(target, draft, prompts, fault=None):
     d = LagSpy(draft, V, max_rows=6, max_len=80)
     d.lags = []
-    eng = Engine(target, d, FixedK(3), EngineConfig(max_batch=6, max_len=70))
+    make = Engine if fault is None else build(fault).engine
+    eng = make(target, d, FixedK(3), EngineConfig(max_batch=6, max_len=70))
     reqs = [Request(p, GenerationParams(max_new_tokens=24)) for p in prompts]
     eng.run(reqs)
     return reqs, d.lags
@@ -96,13 +127,11 @@ def test_draft_no_catchup_leaves_the_draft_cache_behind(setup_context):
     full = sum(a == len(d) > 0 for r in ok for _, d, a, _ in r.stats.trace)
     assert full >= 5  # the catch-up path really ran
     assert set(ok_lags) == {0}
-    with inject("draft-no-catchup"):
-        bad, bad_lags = _run_spy(target, draft, prompts)
+    bad, bad_lags = _run_spy(target, draft, prompts, "draft-no-catchup")
     assert [r.output_ids for r in bad] == [r.output_ids for r in ok]
     assert max(bad_lags) > 0
 
 
 def test_unknown_fault():
     with pytest.raises(ValueError, match="unknown fault"):
-        with inject("nope"):
-            pass
+        build("nope")

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..engine import Engine, EngineConfig, GenerationParams, Request
-from ..engine.faults import inject
-from ..engine.faults import parse as parse_fault
 from ..policy import FixedK
 from ..policy.adaptive import AdaptivePolicy
 from ..policy.costs import CostCache, measure_costs
 from ..sampling import SamplingParams
 from ..verify import RULES
+from .faults import build as build_fault
+from .faults import parse as parse_fault
 from .suite import SuitePrompt, slices
 
 # the checks that --only can select, in report order (lossy-rule and record always run)
@@ -100,7 +100,7 @@ class AuditConfig:
     # the distribution check is inconclusive (and fails) with fewer verified drafts
     min_verified_drafts: int = 200
     prompt_format: str = "auto"  # auto | chat | raw; auto = chat when the tokenizer has a template
-    inject_fault: str | None = None  # test-only: a name from engine/faults.py
+    inject_fault: str | None = None  # test-only: a name from audit/faults.py
     fail_fast: bool = False  # stop after the first failed check (the record lists those not run)
     only: tuple[str, ...] = ()  # run only these checks (and lossy-rule, record); () = all
     # the adaptive policy's cost model: read from (and, when measured, written to) the
@@ -201,13 +201,22 @@ class AuditContext:
     costs: dict = field(default_factory=dict)
 
     def fault(self):
-        """The system under audit runs inside this; references and teacher forcing do not."""
+        """The span in which the system under audit runs; references and teacher forcing run
+        outside it. The injected fault is in the engines under audit themselves
+        (audited_engine), so the span changes nothing in the process."""
+        return contextlib.nullcontext()
+
+    def audited_engine(self, drafter, policy, config: EngineConfig, prompt_cache=None) -> Engine:
+        """An engine of the system under audit on the audited model: with config.inject_fault
+        it has that fault's hooks (audit/faults.py), and no other engine of the audit does."""
         name = self.config.inject_fault
-        return inject(name) if name else contextlib.nullcontext()
+        build = Engine if not name else build_fault(name).engine
+        return build(self.model, drafter, policy, config, prompt_cache=prompt_cache)
 
     def engine(self, batch: int, max_len: int, *, speculative: bool = True, policy=None,
                rule: str | None = None, wrap=None, prompt_caches=None) -> Engine:
-        """An engine under audit; `wrap(policy)` may wrap the configured policy (load sweep).
+        """An engine under audit (speculative) or a plain reference (not speculative: never
+        with the injected fault); `wrap(policy)` may wrap the configured policy (load sweep).
         prompt_caches: (target's, draft model's) engine.PromptCache, for runs that time
         decoding only (the load sweep); the checks that compare outputs prefill afresh."""
         k = self.config.k
@@ -220,9 +229,11 @@ class AuditContext:
                 policy = AdaptivePolicy(self.cost_model(batch, max_len), max_k=k)
         if wrap is not None:
             policy = wrap(policy)
-        return Engine(self.model, drafter, policy,
-                      EngineConfig(max_batch=batch, max_len=max_len, rule=rule or self.config.rule),
-                      prompt_cache=None if prompt_caches is None else prompt_caches[0])
+        config = EngineConfig(max_batch=batch, max_len=max_len, rule=rule or self.config.rule)
+        prompt_cache = None if prompt_caches is None else prompt_caches[0]
+        if not speculative:  # plain decoding: a reference, never under audit
+            return Engine(self.model, drafter, policy, config, prompt_cache=prompt_cache)
+        return self.audited_engine(drafter, policy, config, prompt_cache)
 
     def cost_model(self, batch: int, max_len: int):
         """The cost model every adaptive engine of the audit plans with: timed once, at the

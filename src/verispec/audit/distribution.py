@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from ..engine import Engine, EngineConfig, Request
+from ..engine import EngineConfig, Request
 from ..policy import FixedK
 from ..sampling import logits_to_probs
 from .checks import CheckResult
@@ -146,8 +146,8 @@ def _probe_requests(ctx: AuditContext, first_seed: int, max_new: int) -> list[tu
 def _run_probe(ctx: AuditContext, mass: float, reqs: list[Request], batch: int, max_len: int) -> float:
     V = ctx.model.config.vocab_size
     drafter = probe_drafter(ctx.model, V, max_rows=batch, max_len=max_len + PROBE_K + 2, mass=mass)
-    engine = Engine(ctx.model, drafter, FixedK(PROBE_K),
-                    EngineConfig(max_batch=batch, max_len=max_len, rule=ctx.config.rule))
+    engine = ctx.audited_engine(drafter, FixedK(PROBE_K),
+                                EngineConfig(max_batch=batch, max_len=max_len, rule=ctx.config.rule))
     t0 = time.perf_counter()
     with ctx.progress.stage(f"distribution: probe, nucleus {mass:g}, k={PROBE_K}, b={batch}", len(reqs)) as bar, \
             ctx.fault():

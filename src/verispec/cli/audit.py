@@ -101,7 +101,7 @@ def add_audit_parser(sub) -> None:
                    help="comma-separated checks to run (and lossy-rule, record): " + ", ".join(CHECKS)
                         + "; the verdict then covers only those")
     add_backend_argument(a)
-    from ..engine.faults import argument as fault_argument
+    from ..audit.faults import argument as fault_argument
     a.add_argument("--inject-fault", type=fault_argument, default=None, help=argparse.SUPPRESS)
     a.set_defaults(func=cmd_audit)
 

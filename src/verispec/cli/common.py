@@ -102,10 +102,11 @@ def add_speculation_arguments(parser, *, draft_default: str | None = None, draft
     parser.add_argument("--verify", default="rejection", choices=list(RULES), help=verify_help)
 
 
-def build_engine(target, tokenizer, args, *, max_batch: int, max_len: int, wrap=None):
+def build_engine(target, tokenizer, args, *, max_batch: int, max_len: int, wrap=None, fault=None):
     """The engine the parsed --draft, --k, --policy and --verify describe, on a loaded target
     (args.k resolved already: policy.resolve_k); wrap(policy) -> the policy the engine runs
-    (the server's per-request wrapper)."""
+    (the server's per-request wrapper); fault: test only, an audit.faults.Fault built into
+    the engine (`serve --inject-fault`)."""
     from ..drafters import make_drafter
     from ..engine import Engine, EngineConfig
     from ..policy import make_policy
@@ -119,5 +120,5 @@ def build_engine(target, tokenizer, args, *, max_batch: int, max_len: int, wrap=
                          cost_cache=CostCache.default())
     if wrap is not None:
         policy = wrap(policy)
-    return Engine(target, drafter, policy, EngineConfig(max_batch=max_batch, max_len=max_len,
-                                                         rule=args.verify))
+    build = Engine if fault is None else fault.engine
+    return build(target, drafter, policy, EngineConfig(max_batch=max_batch, max_len=max_len, rule=args.verify))

@@ -96,15 +96,15 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--threads", type=_threads, default="auto", help=THREADS_HELP)
     add_backend_argument(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    from ..engine.faults import argument as fault_argument
+    from ..audit.faults import argument as fault_argument
     # test only: a server with one of the project's faults, for the endpoint audit to catch from outside
     s.add_argument("--inject-fault", type=fault_argument, default=None, help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
 
 
-def build_state(args, api_key: str | None = None):
+def build_state(args, api_key: str | None = None, fault=None):
     """Load the model, build the engine and the server state from parsed arguments
-    (api_key: from resolve_api_key)."""
+    (api_key: from resolve_api_key; fault: test only, an audit.faults.Fault the engine runs with)."""
     from ..models import load_model
     from ..policy import resolve_k
     from ..server.app import ServerConfig, ServerState
@@ -118,7 +118,8 @@ def build_state(args, api_key: str | None = None):
     set_threads(args.threads, target)  # before the adaptive policy times its costs
     max_len = min(args.max_len, target.config.max_position_embeddings)
     # the cost model is measured once per machine and configuration, then read from the cache
-    engine = build_engine(target, tok, args, max_batch=args.max_batch, max_len=max_len, wrap=PerRequestPolicy)
+    engine = build_engine(target, tok, args, max_batch=args.max_batch, max_len=max_len, wrap=PerRequestPolicy,
+                          fault=fault)
     drafter = engine.drafter
     config = ServerConfig(model_name=args.served_model_name or args.target, api_key=api_key,
                           metrics_public=args.metrics_public, max_queue=args.max_queue,
@@ -149,17 +150,16 @@ def cmd_serve(args) -> int:
               f"${ENV_API_KEY} keep it out of argv", file=sys.stderr)
     fault = getattr(args, "inject_fault", None)
     if fault:
-        from ..engine.faults import inject
+        from ..audit.faults import build
         print(f"TEST ONLY: injecting fault {fault!r}", file=sys.stderr)
-        with inject(fault):  # patches the process for the server's lifetime
-            return _serve(args, api_key, key_source)
+        return _serve(args, api_key, key_source, build(fault))  # in the server's engine alone
     return _serve(args, api_key, key_source)
 
 
-def _serve(args, api_key, key_source) -> int:
+def _serve(args, api_key, key_source, fault=None) -> int:
     from ..server.app import make_server
 
-    state = build_state(args, api_key)
+    state = build_state(args, api_key, fault)
     server = make_server(state, host=args.host, port=args.port, log_level=args.log_level)
     auth = (f"API key from {key_source}" + (", /metrics public" if args.metrics_public else "")
             if key_source else "no API key")

@@ -22,13 +22,14 @@ Drafter protocol (all row arguments are KV-cache rows of the engine's target cac
         verdicts, so a policy deciding there stays non-anticipating.
     rollback(rows, committed)           the target kept committed[b] tokens in cache
     release(rows)                       the rows' requests left the batch
+    hooks: DrafterHooks | None          (optional) seams a test breaks on purpose (base.py)
 """
 
 from __future__ import annotations
 
-from .base import Drafter, apply_halt, draft_from_logits
+from .base import Drafter, DrafterHooks, apply_halt, draft_from_logits
 
-__all__ = ["Drafter", "apply_halt", "draft_from_logits", "make_drafter"]
+__all__ = ["Drafter", "DrafterHooks", "apply_halt", "draft_from_logits", "make_drafter"]
 
 
 def make_drafter(spec: str | None, target, target_tokenizer, *, max_rows: int, max_len: int,

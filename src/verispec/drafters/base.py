@@ -1,5 +1,5 @@
-"""The drafter protocol (documented in drafters/__init__.py) and the drawing and halting
-steps the drafters with a model share."""
+"""The drafter protocol (documented in drafters/__init__.py), the drafter's seams
+(DrafterHooks) and the drawing and halting steps the drafters with a model share."""
 
 from __future__ import annotations
 
@@ -9,6 +9,31 @@ import torch
 
 from ..sampling import SamplingParams, logits_to_probs, sample_token
 from ..verify.rules import argmax_last
+
+
+class DrafterHooks:
+    """What a drafter reads of the sequences and reports of its q. These methods are the
+    correct behaviour: a test or the audit's fault suite (audit/faults.py) sets a subclass
+    that breaks one seam on purpose as Drafter.hooks, on that drafter alone. A drafter
+    without hooks skips sequences() and reported_q(), which change nothing."""
+
+    def sequences(self, tokens: list[list[int]]) -> list[list[int]]:
+        """The sequences propose() drafts from, by a drafter that reads them whole every
+        step (prompt lookup, layer-skip)."""
+        return tokens
+
+    def unseen(self, seq: list[int], cached: int) -> list[int]:
+        """Tokens of seq that a drafter with its own cache (a draft model) has not fed yet,
+        `cached` being what that cache holds: the pending token, plus the last draft token
+        when the previous step accepted all drafts (the catch-up)."""
+        return seq[cached:]
+
+    def reported_q(self, q: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The q [V] recorded for a draft drawn from q (logits [V]: the drafter's own)."""
+        return q
+
+
+CORRECT_HOOKS = DrafterHooks()  # holds no state: shared by the drafters without hooks
 
 
 class Drafter(ABC):
@@ -21,6 +46,7 @@ class Drafter(ABC):
     reuses_prefills: bool = False  # its prefills can be served from a models.prefill.PromptCache
 
     prompt_cache = None  # with reuses_prefills: the PromptCache its prefills read and fill
+    hooks: DrafterHooks | None = None  # None: the correct behaviour, with nothing to call
 
     def bind_cache(self, cache) -> None:
         """The engine's target cache, once, before any request (a drafter that drafts from
@@ -46,7 +72,7 @@ class Drafter(ABC):
 
 def draft_from_logits(logits: torch.Tensor, active: list[int], i: int, tokens, sampling, generators,
                       out: torch.Tensor, probs: torch.Tensor | None, confidence: bool = False,
-                      transform=None) -> list[float] | None:
+                      transform=None, hooks: DrafterHooks | None = None) -> list[float] | None:
     """Fill draft position i for the active rows from the drafter's logits [B',V].
 
     Greedy rows take the argmax (one vectorised call); sampled rows draw from q with
@@ -55,6 +81,7 @@ def draft_from_logits(logits: torch.Tensor, active: list[int], i: int, tokens, s
     (greedy rows: the softmax's top probability; sampled rows: q of the token drawn).
     `transform(q) -> q'` replaces a sampled row's q before the draw (the audit's probe
     drafter: audit/probe.py); q' is what is drawn from and what the rule reads.
+    hooks: the drafter's (hooks.reported_q decides what probs records).
     """
     best = argmax_last(logits).tolist()  # sync: one per draft position for the whole batch
     conf = None
@@ -70,7 +97,7 @@ def draft_from_logits(logits: torch.Tensor, active: list[int], i: int, tokens, s
         if transform is not None:
             q = transform(q)
         if probs is not None:
-            probs[b, i, :q.shape[-1]] = q
+            probs[b, i, :q.shape[-1]] = q if hooks is None else hooks.reported_q(q, logits[j])
         out[b, i] = sample_token(q, sp, generators[b], len(tokens[b]) + i)
         if conf is not None:
             conf[j] = float(q[out[b, i]])

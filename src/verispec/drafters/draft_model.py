@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..models.prefill import prefill
-from .base import Drafter, apply_halt, draft_from_logits
+from .base import CORRECT_HOOKS, Drafter, apply_halt, draft_from_logits
 
 
 class TokenizerMismatchError(ValueError):
@@ -76,7 +76,8 @@ class DraftModelDrafter(Drafter):
             return out, probs, num
         # 1. catch up: feed what the draft cache has not seen, pending token included
         lens = self.cache.lengths  # [R] CPU
-        feeds = [self._unseen(tokens[b], int(lens[rows[b]])) for b in active]
+        unseen = (CORRECT_HOOKS if self.hooks is None else self.hooks).unseen
+        feeds = [unseen(tokens[b], int(lens[rows[b]])) for b in active]
         T = max(map(len, feeds))
         x = torch.zeros(len(active), T, dtype=torch.long)  # [B',T]
         for i, f in enumerate(feeds):
@@ -87,19 +88,13 @@ class DraftModelDrafter(Drafter):
         #    the halt rule stops them on the draft's own confidence
         for i in range(K):
             conf = draft_from_logits(logits, active, i, tokens, sampling, generators, out, probs,
-                                     confidence=halt is not None, transform=self.q_transform)
+                                     confidence=halt is not None, transform=self.q_transform, hooks=self.hooks)
             active = apply_halt(halt, i, active, k, conf, num)
             if not active:
                 break
             logits = self.model.forward(out[active, i:i + 1], self.cache,
                                         [rows[b] for b in active], last_only=True)
         return out, probs, num
-
-    @staticmethod
-    def _unseen(seq: list[int], cached: int) -> list[int]:
-        """Tokens of seq the draft cache has not seen: the pending token, plus the last
-        draft token when the previous step accepted all drafts (bonus catch-up)."""
-        return seq[cached:]
 
     def rollback(self, rows, committed):
         """The draft cache keeps at most the committed tokens (it may lag them: catch-up)."""

@@ -38,6 +38,8 @@ class LayerSkipDrafter(Drafter):
         pass
 
     def propose(self, rows, tokens, k, sampling, generators, halt=None):
+        if self.hooks is not None:
+            tokens = self.hooks.sequences(tokens)
         B, K = len(rows), max(k, default=0)
         V = self.target.config.vocab_size
         out = torch.zeros(B, K, dtype=torch.long)  # [B,K]
@@ -56,7 +58,7 @@ class LayerSkipDrafter(Drafter):
             logits = self.target.forward(x, self.cache, act_rows, last_only=True,
                                          num_layers=self.num_layers)
             conf = draft_from_logits(logits, active, i, tokens, sampling, generators, out, probs,
-                                     confidence=halt is not None)
+                                     confidence=halt is not None, hooks=self.hooks)
             active = apply_halt(halt, i, active, k, conf, num)
             if not active:
                 break

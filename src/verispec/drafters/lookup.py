@@ -37,6 +37,8 @@ class PromptLookupDrafter(Drafter):
         pass
 
     def propose(self, rows, tokens, k, sampling, generators):
+        if self.hooks is not None:
+            tokens = self.hooks.sequences(tokens)
         K = max(k, default=0)
         out = torch.zeros(len(rows), K, dtype=torch.long)  # [B,K]
         n = torch.zeros(len(rows), dtype=torch.long)  # [B] drafts actually found

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from ..policy import FixedK
-from ..sampling import keyed_gumbel, logits_to_probs
-from ..verify import LOSSY_RULES, RULES, verify
+from ..verify import LOSSY_RULES, RULES
 from ..models.prefill import prefill
+from .hooks import CORRECT, StepHooks
 from .request import Request
 
 
@@ -108,7 +108,7 @@ class StepRecord:
 
 class Engine:
     def __init__(self, target, drafter=None, policy=None, config: EngineConfig = EngineConfig(),
-                 prompt_cache=None):
+                 prompt_cache=None, hooks: StepHooks | None = None):
         self.target = target
         self.prompt_cache = prompt_cache  # engine.prompt_cache.PromptCache: prefills to reuse
         self.drafter = drafter
@@ -123,6 +123,12 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.times = StepTimes()
+        # the step's seams (engine/hooks.py), bound once: without hooks the step calls the
+        # correct behaviour as directly as its own methods
+        self.hooks = h = CORRECT if hooks is None else hooks
+        self._draft_budget, self._pending_tokens, self._append = h.draft_budget, h.pending_tokens, h.append
+        self._committed_length, self._verify_probs, self._keyed_noise = h.committed_length, h.verify_probs, h.keyed_noise
+        self._verify_rule = h.verify
 
     # -- lifecycle -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -311,7 +317,7 @@ class Engine:
     def _verify(self, s: "StepRecord") -> None:
         """All rows in ONE target pass over [pending, d_1..d_k]; a row whose logits are not
         finite at the positions it verifies fails alone."""
-        pending = self._pending_tokens(s.reqs)  # [B,1]
+        pending = self._pending_tokens(s.reqs, self.times.steps)  # [B,1]
         x = torch.cat([pending, s.drafts], dim=1) if s.K else pending  # [B,K+1]
         s.logits = self.target.forward(x, self.cache, s.rows, [n + 1 for n in s.num_l])  # [B,K+1,V]
         s.t_accept = time.perf_counter()
@@ -326,19 +332,19 @@ class Engine:
         B, K, logits, drafts, num = s.B, s.K, s.logits, s.drafts, s.num
         greedy = [b for b, r in enumerate(s.reqs) if r.params.sampling.greedy and b not in s.failed]
         if len(greedy) == B:  # every row greedy: no copy of the logits
-            s.out, s.n_acc = verify("greedy", logits, None, drafts, num, None)
+            s.out, s.n_acc = self._verify_rule("greedy", logits, None, drafts, num, None)
             return
         s.out = torch.full((B, K + 1), -1, dtype=torch.long)  # [B,K+1]
         s.n_acc = torch.zeros(B, dtype=torch.long)  # [B]
         if greedy:
             gi = torch.tensor(greedy)
-            s.out[gi], s.n_acc[gi] = verify("greedy", logits[gi], None, drafts[gi], num[gi], None)
+            s.out[gi], s.n_acc[gi] = self._verify_rule("greedy", logits[gi], None, drafts[gi], num[gi], None)
         for b, r in enumerate(s.reqs):
             sp = r.params.sampling
             if sp.greedy or b in s.failed:
                 continue
             try:
-                p = logits_to_probs(logits[b:b + 1], sp)  # [1,K+1,V]
+                p = self._verify_probs(logits[b:b + 1], sp)  # [1,K+1,V]
                 if not bool(torch.isfinite(p[0, :int(num[b]) + 1]).all()):
                     raise FloatingPointError("the sampling distribution is not finite")
                 o, a = self._accept(b, r, p, s.q, drafts, num, s.n0[b], K)
@@ -417,32 +423,10 @@ class Engine:
         keyed on (seed, sequence index) at indices n0..n0+K."""
         rule = self.rule_for(r)
         if rule == "coupled":
-            noise = keyed_gumbel(r.params.sampling.seed, range(n0, n0 + K + 1), p.shape[-1])[None]  # [1,K+1,V]
-            return verify("coupled", p, None, drafts[b:b + 1], num[b:b + 1], noise)
+            noise = self._keyed_noise(r.params.sampling.seed, range(n0, n0 + K + 1), p.shape[-1])[None]  # [1,K+1,V]
+            return self._verify_rule("coupled", p, None, drafts[b:b + 1], num[b:b + 1], noise)
         qb = None if q is None else q[b:b + 1, :, :p.shape[-1]]  # [1,K,V]
-        return verify(rule, p, qb, drafts[b:b + 1], num[b:b + 1], r.generator)
-
-    # Small seams, kept as methods so that engine/faults.py can break them on purpose.
-    def _append(self, r: Request, emitted: list[int]) -> str | None:
-        """Append a step's emitted tokens up to the first stop token or the length limit,
-        wherever it falls in the accepted run; -> "stop", "length" or None."""
-        for tok in emitted:
-            r.output_ids.append(tok)
-            if not r.params.ignore_eos and tok in r.params.stop_token_ids:
-                return "stop"
-            if len(r.output_ids) >= r.params.max_new_tokens:
-                return "length"
-        return None
-
-    def _draft_budget(self, r: Request) -> int:
-        """The most drafts row r may verify: a step emits at most k + 1 tokens."""
-        return r.params.max_new_tokens - len(r.output_ids) - 1
-
-    def _pending_tokens(self, reqs: list[Request]) -> torch.Tensor:
-        return torch.tensor([[r.tokens[-1]] for r in reqs])  # [B,1]
-
-    def _committed_length(self, r: Request) -> int:
-        return len(r.tokens) - 1  # everything but the new pending token
+        return self._verify_rule(rule, p, qb, drafts[b:b + 1], num[b:b + 1], r.generator)
 
     def run(self, requests: list[Request], on_finish=None) -> list[Request]:
         """Decode requests to completion with continuous batching (rows refill as others end)."""

@@ -63,6 +63,8 @@ class LlamaModel:
     """
 
     runtime = "native"
+    # start [B], T -> the RoPE positions [B,T] of a pass's tokens (with_positions replaces it)
+    positions = staticmethod(_positions)
     partial_layers = True  # forward(num_layers=N) runs the first N layers (layer-skip)
     noisy_numerics = False  # fp32: batching moves a logit within the audit's fixed TIE_MARGIN
 
@@ -107,6 +109,14 @@ class LlamaModel:
         for f in files:
             weights.update(load_file(str(f)))
         return cls(cfg, weights, batch_invariant=batch_invariant)
+
+    def with_positions(self, positions) -> "LlamaModel":
+        """This model (the same weights, not copied) placing a pass's tokens at
+        positions(start [B], T) -> [B,T] instead: the audit's fault suite breaks a ragged
+        batch's positions this way for the engine under audit alone."""
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__, positions=positions)
+        return view
 
     @property
     def backend(self) -> str:
@@ -160,7 +170,7 @@ class LlamaModel:
         S = max(int((start + num_new_t).max()), 1)  # keys attended to: up to the longest row
         if S > cache.max_len:  # lengths live on the CPU: no device sync
             raise CacheFullError(f"write to position {S} exceeds cache length {cache.max_len}")
-        pos = _positions(start, T)  # [B,T]
+        pos = self.positions(start, T)  # [B,T]
         # padding tokens (t >= num_new[b]) write to the scratch slot, never into a live row
         pos_w = torch.where(torch.arange(T) < num_new_t[:, None], pos, cache.scratch)  # [B,T]
         # attention mask [B,1,T,S]: key j visible to query t iff j <= pos[b,t]

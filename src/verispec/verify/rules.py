@@ -146,6 +146,8 @@ def rejection(
     draft_tokens: torch.Tensor,  # [B, K] long, padded beyond num_drafts
     num_drafts: torch.Tensor,  # [B] long, 0 <= num_drafts <= K
     generator: torch.Generator,
+    *,
+    sample: Callable[[torch.Tensor, torch.Generator], torch.Tensor] = sample_from_probs,
 ) -> VerifyResult:
     """Exact speculative sampling: the emitted tokens are distributed exactly as p.
 
@@ -163,6 +165,9 @@ def rejection(
     equals the residual mass, so this branch is taken with probability at most
     RESIDUAL_EPS, and the emitted distribution moves by at most that much in total
     variation (exactly 0 when p == q, since then nothing is ever rejected).
+
+    ``sample`` draws the recovered or bonus token of each row from its weights (the
+    audit's fault suite passes a broken one).
     """
     _require_generator(generator, "rejection")
     valid = _check_inputs(target_probs, draft_probs, draft_tokens, num_drafts)  # [B, K]
@@ -195,7 +200,7 @@ def rejection(
         residual = (next_probs - q_j).clamp_min(0)  # [B, V]
         recovered = (num_accepted < num_drafts) & (residual.sum(-1) > RESIDUAL_EPS)
         next_probs = torch.where(recovered[:, None], residual, next_probs)
-    return _emit(draft_tokens, num_accepted, sample_from_probs(next_probs, generator))
+    return _emit(draft_tokens, num_accepted, sample(next_probs, generator))
 
 
 def greedy(
@@ -230,6 +235,7 @@ def typical_lossy(
     *,
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
+    sample: Callable[[torch.Tensor, torch.Generator], torch.Tensor] = sample_from_probs,
 ) -> VerifyResult:
     """LOSSY. Medusa's typical acceptance. THE OUTPUT IS NOT DISTRIBUTED AS p.
 
@@ -240,7 +246,7 @@ def typical_lossy(
     prefix, the recovered or bonus token is sampled from p. Because the test
     ignores q, the emitted tokens follow the drafter wherever p is not tiny: with a
     flat p everything the drafter proposes is accepted. Use it only behind an
-    explicit option; the audit must flag it.
+    explicit option; the audit must flag it. ``sample`` as in ``rejection``.
     """
     _require_generator(generator, "typical-lossy")
     valid = _check_inputs(target_probs, draft_probs, draft_tokens, num_drafts)  # [B, K]
@@ -254,7 +260,7 @@ def typical_lossy(
     accepted = valid & (p_x > threshold)  # [B, K]
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
     rows = torch.arange(B, device=target_probs.device)
-    last = sample_from_probs(target_probs[rows, num_accepted], generator)  # recovered/bonus
+    last = sample(target_probs[rows, num_accepted], generator)  # recovered/bonus
     return _emit(draft_tokens, num_accepted, last)
 
 
