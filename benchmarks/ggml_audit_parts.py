@@ -5,7 +5,7 @@ stages until --budget seconds are spent, saves what it made to --state (a pickle
 finished requests and the adaptive policy's measured costs) and exits; the next call goes
 on. The stages are the audit's own (audit/runner.greedy_runs, in its order): plain and
 speculative batch 1 interleaved prompt by prompt, speculative at each other batch size,
-drafting forced at the largest; then runner.equivalence_check and
+drafting forced at the largest; then equivalence.equivalence_check and
 consistency.drafter_consistency_check, unchanged, on those runs. Prints the checks' summaries
 and, with --json, writes their results.
 
@@ -74,7 +74,7 @@ def main():
     t0 = time.perf_counter()
     from verispec.audit import consistency
     from verispec.audit.context import GreedyRuns
-    from verispec.audit.runner import equivalence_check
+    from verispec.audit.equivalence import equivalence_check
     from verispec.engine import GenerationParams, Request
     from verispec.policy import FixedK
 
@@ -104,30 +104,26 @@ def main():
         eng1 = ctx.engine(1, max_len)
         warm = GenerationParams(max_new_tokens=4)
         plain.run([Request(ctx.prompt_ids[0][:8], warm)])
-        with ctx.fault():
-            eng1.run([Request(ctx.prompt_ids[0][:8], warm)])
+        eng1.run([Request(ctx.prompt_ids[0][:8], warm)])
         while len(spec1) < n and spent() < args.budget:
             i, s = len(spec1), time.perf_counter()
             if len(state["reference"]) <= i:
                 state["reference"].append(plain.run([Request(ctx.prompt_ids[i], params)])[0])
-            with ctx.fault():
-                spec1.append(eng1.run([Request(ctx.prompt_ids[i], params)])[0])
+            spec1.append(eng1.run([Request(ctx.prompt_ids[i], params)])[0])
             stage_done("b1", time.perf_counter() - s)
     # 2. speculative at the other batch sizes, then drafting forced at the largest
     for b in ctx.config.greedy_batch_sizes:
         if b == 1 or b in state["spec"] or len(spec1) < n or spent() >= args.budget:
             continue
         s, reqs = time.perf_counter(), [Request(ids, params) for ids in ctx.prompt_ids]
-        with ctx.fault():
-            ctx.engine(min(b, n), max_len).run(reqs)
+        ctx.engine(min(b, n), max_len).run(reqs)
         state["spec"][b] = reqs
         stage_done(f"b{b}", time.perf_counter() - s)
     b_max = max(ctx.config.greedy_batch_sizes)
     ready = len(spec1) == n and all(b in state["spec"] for b in ctx.config.greedy_batch_sizes)
     if ready and state["forced"] is None and spent() < args.budget:
         s, reqs = time.perf_counter(), [Request(ids, params) for ids in ctx.prompt_ids]
-        with ctx.fault():
-            ctx.engine(min(b_max, n), max_len, policy=FixedK(ctx.config.forced_k)).run(reqs)
+        ctx.engine(min(b_max, n), max_len, policy=FixedK(ctx.config.forced_k)).run(reqs)
         state["forced"] = (b_max, reqs)
         stage_done(f"forced k={ctx.config.forced_k} b{b_max}", time.perf_counter() - s)
     # 3. the checks, unchanged, on the finished runs (with the noise measurement and null run)

@@ -5,7 +5,8 @@ margins fails, and failed requests make a level inconclusive."""
 import pytest
 
 from verispec.audit.endpoint.client import PromptResult
-from verispec.audit.endpoint.null import Comparison, compare, exceedance_p, fisher_greater, margin_at, verdict
+from verispec.audit.endpoint.null import Comparison, compare, exceedance_p, margin_at, verdict
+from verispec.audit.stats import fisher_greater
 
 
 def _cmp(c, n, margins=(), unknown=0, errors=0):

@@ -1,17 +1,14 @@
 """`verispec serve` end to end with SmolLM2-135M: the real CLI in a subprocess on
 127.0.0.1, the official openai client, greedy answers equal to offline plain decoding."""
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.server.helpers import free_socket, metric
+from tests.server.helpers import metric
+from tests.verispec_server import VerispecServer
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = "smollm2-135m"
@@ -22,36 +19,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server():
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen([sys.executable, "-m", "verispec.cli", "serve", "--target", PRESET, "--draft", "lookup",
-                             "--k", "3", "--port", str(port), "--max-batch", "4", "--max-len", str(MAX_LEN),
-                             "--log-level", "warning"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"verispec serve exited: {proc.stdout.read()}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("verispec serve did not start in 180 s")
-            time.sleep(0.5)
+    with VerispecServer(PRESET, "--draft", "lookup", "--k", "3", "--max-batch", "4", "--max-len", str(MAX_LEN)) as url:
         yield url
-    finally:
-        proc.terminate()  # SIGTERM: uvicorn shuts down gracefully
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -10,55 +10,17 @@ About 3 minutes on 2 cores: two servers start (~20 s each), then 16 prompts at c
 
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
-import subprocess
-import sys
-import time
-
-import httpx
 import pytest
 
+from tests.verispec_server import VerispecServer
 from verispec.audit.context import select_prompts
 from verispec.audit.suite import load_suite
 
 pytestmark = pytest.mark.slow
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
 def serve(*args: str):
-    port = _port()
-    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"verispec-serve-{port}.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "verispec.cli", "serve", "--target", "smollm2-135m",
-                             "--port", str(port), "--threads", "1", "--log-level", "warning", *args],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"verispec serve exited with {proc.returncode}: {open(log.name).read()[-1500:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"verispec serve did not start: {open(log.name).read()[-1500:]}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    return VerispecServer("smollm2-135m", "--threads", "1", *args)
 
 
 @pytest.fixture(scope="module")

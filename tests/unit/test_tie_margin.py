@@ -12,9 +12,10 @@ import torch
 
 from tests.audit_tiny import TINY_SIZES, CharTokenizer, one_thread, tiny_audit, tiny_drafter_factory, tiny_models, tiny_suite
 from verispec.audit.context import AuditConfig
-from verispec.audit.endpoint.null import fisher_greater
+from verispec.audit.stats import fisher_greater
 from verispec.audit.equivalence import TIE_MARGIN, tie_margin_for
-from verispec.audit.runner import NULL_ALPHA, run_audit
+from verispec.audit.equivalence import NULL_ALPHA
+from verispec.audit.runner import run_audit
 from verispec.models import LoadedModel
 from verispec.models.noise import batching_noise
 

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..drafters.draft_model import DraftModelDrafter
-from ..drafters.layerskip import LayerSkipDrafter
-from ..drafters.lookup import PromptLookupDrafter, lookup_continuation
+from ..drafters.lookup import lookup_continuation
 from .checks import CheckResult
 from .context import AuditContext, GreedyRuns
 from .equivalence import TIE_MARGIN, prefix_cache, teacher_forced_logits, tie_margin_for
@@ -40,12 +38,15 @@ class Oracle:
 
 
 def oracle_for(drafter, target_model) -> Oracle | None:
-    if isinstance(drafter, PromptLookupDrafter):
-        return Oracle("lookup", max_ngram=drafter.max_ngram)
-    if isinstance(drafter, LayerSkipDrafter):
-        return Oracle("model", model=target_model, num_layers=drafter.num_layers)
-    if isinstance(drafter, DraftModelDrafter):
-        return Oracle("model", model=drafter.model)
+    """What a greedy draft of this drafter is, from what it states (drafters/base.py): the
+    continuation prompt lookup copies, or the argmax of its draft model or of the target's
+    first layers. None: nothing to recompute its drafts from."""
+    if drafter.lookup_ngram is not None:
+        return Oracle("lookup", max_ngram=drafter.lookup_ngram)
+    if drafter.draft_layers is not None:
+        return Oracle("model", model=target_model, num_layers=drafter.draft_layers)
+    if drafter.draft_model is not None:
+        return Oracle("model", model=drafter.draft_model)
     return None
 
 

@@ -3,7 +3,6 @@ the target, a drafter factory, the encoded prompts and the greedy runs they shar
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -15,12 +14,10 @@ from ..policy.adaptive import AdaptivePolicy
 from ..policy.costs import CostCache, measure_costs
 from ..sampling import SamplingParams
 from ..verify import RULES
+from .checks import ENGINE, selectable
 from .faults import build as build_fault
 from .faults import parse as parse_fault
 from .suite import SuitePrompt, slices
-
-# the checks that --only can select, in report order (lossy-rule and record always run)
-CHECKS = ("equivalence", "distribution", "seeded", "stopping", "drafter-consistency", "corruption", "slices", "load")
 
 DrafterFactory = Callable[[int, int], Any]  # (max_rows, max_len) -> a Drafter (see drafters/)
 
@@ -126,9 +123,10 @@ class AuditConfig:
             raise ValueError(f"prompt_format must be auto, chat or raw, got {self.prompt_format!r}")
         if self.inject_fault is not None:
             parse_fault(self.inject_fault)  # ValueError naming the faults
-        unknown = set(self.only) - set(CHECKS)
+        names = selectable(ENGINE)  # --only's choices (lossy-rule and record always run)
+        unknown = set(self.only) - set(names)
         if unknown:
-            raise ValueError(f"unknown checks {sorted(unknown)}; checks: {', '.join(CHECKS)}")
+            raise ValueError(f"unknown checks {sorted(unknown)}; checks: {', '.join(names)}")
 
     @property
     def temperature(self) -> float:
@@ -199,12 +197,6 @@ class AuditContext:
     # the adaptive policy's cost model, one for the whole audit, as a server measures one for
     # its largest batch and serves every load with it: {"model", "max_batch", "source"}
     costs: dict = field(default_factory=dict)
-
-    def fault(self):
-        """The span in which the system under audit runs; references and teacher forcing run
-        outside it. The injected fault is in the engines under audit themselves
-        (audited_engine), so the span changes nothing in the process."""
-        return contextlib.nullcontext()
 
     def audited_engine(self, drafter, policy, config: EngineConfig, prompt_cache=None) -> Engine:
         """An engine of the system under audit on the audited model: with config.inject_fault

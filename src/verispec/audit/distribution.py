@@ -56,7 +56,7 @@ MIN_TOKENS_PER_PIT = 20  # a PIT family with fewer tokens is not run (and not co
 def _sample(ctx: AuditContext, reqs: list[Request], batch: int, max_len: int, policy, label: str) -> float:
     engine = ctx.engine(batch, max_len, policy=policy)
     t0 = time.perf_counter()
-    with ctx.progress.stage(f"distribution: sampling, {label}", len(reqs)) as bar, ctx.fault():
+    with ctx.progress.stage(f"distribution: sampling, {label}", len(reqs)) as bar:
         engine.run(reqs, on_finish=lambda r: bar.advance())
     return time.perf_counter() - t0
 
@@ -149,8 +149,7 @@ def _run_probe(ctx: AuditContext, mass: float, reqs: list[Request], batch: int, 
     engine = ctx.audited_engine(drafter, FixedK(PROBE_K),
                                 EngineConfig(max_batch=batch, max_len=max_len, rule=ctx.config.rule))
     t0 = time.perf_counter()
-    with ctx.progress.stage(f"distribution: probe, nucleus {mass:g}, k={PROBE_K}, b={batch}", len(reqs)) as bar, \
-            ctx.fault():
+    with ctx.progress.stage(f"distribution: probe, nucleus {mass:g}, k={PROBE_K}, b={batch}", len(reqs)) as bar:
         engine.run(reqs, on_finish=lambda r: bar.advance())
     return time.perf_counter() - t0
 

@@ -7,10 +7,16 @@ import math
 import time
 import weakref
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import PromptCache
+from ..engine import PromptCache, Request
+from .checks import CheckResult
+from .stats import against_null
+
+if TYPE_CHECKING:  # annotations only
+    from .context import AuditContext, GreedyRuns
 
 TIE_MARGIN = 1e-4  # a divergence below this top-2 logit margin is numerics, not a bug (fp32 backends)
 EXACT_MATCH_MIN = 0.95  # at least this share of prompts identical
@@ -124,3 +130,107 @@ TF_PREFIX_TOKENS = 1 << 13  # the prompt prefills one check keeps for its teache
 def prefix_cache():
     """A cache of prompt prefills for teacher_forced_logits (one per model and layer count)."""
     return PromptCache(max_tokens=TF_PREFIX_TOKENS)
+
+
+# -- the equivalence check offline: speculative greedy output against plain batch 1 -------------
+def equivalence_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
+    margins: dict[tuple[int, int], Any] = {}  # (prompt, index) -> reference logits there
+
+    def margin_fn_for(i):
+        def fn(prompt, ref, index):
+            if (i, index) not in margins:
+                margins[(i, index)] = reference_logits_at(ctx.model, prompt, ref, index)
+            return margins[(i, index)]
+        return fn
+
+    per_batch, rows, failures = [], [], []
+    tie = tie_margin_for(ctx.model)  # fixed on fp32 backends, the measured noise on noisy ones
+    null = null_run(ctx, runs, margin_fn_for, tie) if "noise_top2_gap" in tie else None
+    configs = [(b, reqs, ctx.config.policy) for b, reqs in sorted(runs.speculative.items())]
+    if runs.forced is not None:
+        configs.append((runs.forced[0], runs.forced[1], f"fixed k={ctx.config.forced_k}"))
+    alpha = NULL_ALPHA / len(configs)
+    total = sum(len(reqs) for _, reqs, _ in configs)
+    with ctx.progress.stage("equivalence: margins", total) as bar:
+        for b, reqs, policy in configs:
+            counts = {"identical": 0, "near-tie": 0, "divergence": 0}
+            for i, (ref, got) in enumerate(zip(runs.reference, reqs)):
+                c = compare(ctx.prompt_ids[i], ref.output_ids, got.output_ids, margin_fn_for(i),
+                            tie["value"] if null is None else null["tie_margin"])
+                counts[c.verdict] += 1
+                rows.append({"batch": b, "policy": policy, "id": ctx.prompts[i].id,
+                             "slice": ctx.prompts[i].slice, **c.to_dict()})
+                bar.advance()
+            n = len(reqs)
+            rate = counts["identical"] / n
+            # rate >= EXACT_MATCH_MIN, i.e. misses <= floor(5% of n) - but at least one near-tie
+            # is tolerated, or 16 prompts would turn one benign numerical flip into a failure
+            # batch-invariant mode promises bitwise identity: no near-tie is excused there
+            allowance = 0 if ctx.config.batch_invariant else near_tie_allowance(n)
+            ok, fisher = against_null(counts, n, null, alpha, allowance)  # a noisy backend: against its null
+            drafted = sum(r.stats.drafted for r in reqs)
+            per_batch.append({"batch": b, "policy": policy, "rows_decoded_together": min(b, n), "prompts": n,
+                              "exact_match_rate": rate, **counts, "drafted": drafted,
+                              "accepted": sum(r.stats.accepted for r in reqs), "passed": ok,
+                              **({} if fisher is None else {"fisher_p_vs_null": fisher, "alpha": alpha})})
+            where = f"b={b}" if policy == ctx.config.policy else f"b={b} ({policy})"
+            if counts["divergence"]:
+                failures.append(f"{where}: {counts['divergence']} divergence(s) at a clear margin")
+            elif not ok and fisher is not None:
+                failures.append(f"{where}: {n - counts['identical']}/{n} differ against the null run's "
+                                f"{null['differ']}/{null['prompts']} (Fisher p = {fisher:.2g} < {alpha:.2g})")
+            elif not ok:
+                failures.append(f"{where}: exact match {rate:.0%} < {EXACT_MATCH_MIN:.0%}")
+    main = [r for r in per_batch if r["policy"] == ctx.config.policy]
+    worst = min(per_batch, key=lambda r: r["exact_match_rate"])
+    passed = not failures
+    summary = ("exact match " + ", ".join(f"b{r['batch']} {r['exact_match_rate']:.0%}" for r in main)
+               + "".join(f", b{r['batch']} {r['policy']} {r['exact_match_rate']:.0%}"
+                         for r in per_batch if r not in main)
+               + f"; {sum(r['drafted'] for r in per_batch)} drafts verified"
+               + ("" if null is None else
+                  f"; {tie.get('backend') or 'noisy backend'}: near-tie margin {null['tie_margin']:.3g} "
+                  f"(measured batching noise {tie['value']:.3g}; null run, plain b={null['batch']}: "
+                  f"{null['differ']}/{null['prompts']} differ)")
+               + ("" if passed else "; " + "; ".join(failures)))
+    figures = {"exact_match_by_batch": {str(r["batch"]): r["exact_match_rate"] for r in main},
+               "forced_exact_match": next((r["exact_match_rate"] for r in per_batch if r not in main), None),
+               "drafts_verified": sum(r["drafted"] for r in per_batch),
+               "min_exact_match": worst["exact_match_rate"],
+               "divergences": sum(r["divergence"] for r in per_batch),
+               "near_ties": sum(r["near-tie"] for r in per_batch),
+               "tie_margin": tie["value"] if null is None else null["tie_margin"], "tie_margin_source": tie,
+               "null_run": null,
+               "exact_match_threshold": EXACT_MATCH_MIN if null is None else None,
+               "near_tie_allowance": near_tie_allowance(len(runs.reference)) if null is None else None,
+               "prompts": len(runs.reference), "max_new_tokens": ctx.config.sizes.max_new_tokens,
+               "reference": "plain decoding, batch 1, greedy", "greedy_seconds": round(runs.seconds, 1)}
+    return CheckResult("equivalence", passed, summary, figures,
+                       {"per_batch": per_batch, "prompts": rows})
+
+
+def null_run(ctx: AuditContext, runs: GreedyRuns, margin_fn_for, tie: dict) -> dict:
+    """On a backend whose numerics move with batching (tie_margin_for measured them), the
+    deployment's own null run: plain decoding at the largest audited batch size against the
+    plain batch-1 reference, no speculation. Its share of differing prompts is what a batch
+    does to greedy output here; the speculative runs must not differ significantly more
+    often (Fisher's exact test, as the endpoint audit does: audit/endpoint/null.py). The
+    tie margin becomes the larger of the measured noise and the largest margin at which the
+    null diverged: a speculative divergence beyond both is a bug."""
+    t0 = time.perf_counter()
+    b, n = max(ctx.config.greedy_batch_sizes), len(ctx.prompt_ids)
+    params = ctx.greedy_params()
+    reqs = [Request(ids, params) for ids in ctx.prompt_ids]
+    if b > 1:  # plain decoding alone at batch 1 is the reference itself
+        max_len = max(map(len, ctx.prompt_ids)) + params.max_new_tokens
+        with ctx.progress.stage(f"equivalence: null run, plain b={b}", n) as bar:
+            ctx.engine(min(b, n), max_len, speculative=False, rule="rejection").run(
+                reqs, on_finish=lambda r: bar.advance())
+    got = [r.output_ids for r in reqs] if b > 1 else [r.output_ids for r in runs.reference]
+    cs = [compare(ctx.prompt_ids[i], ref.output_ids, g, margin_fn_for(i), tie["value"])
+          for i, (ref, g) in enumerate(zip(runs.reference, got))]
+    margins = sorted(c.margin for c in cs if c.margin is not None)
+    return {"batch": b, "prompts": n, "differ": sum(not c.exact for c in cs), "margins": margins,
+            "beyond_noise": sum(c.verdict == "divergence" for c in cs),
+            "tie_margin": max([tie["value"], *margins]), "alpha": NULL_ALPHA,
+            "reference": "plain decoding, batch 1, greedy", "seconds": round(time.perf_counter() - t0, 1)}

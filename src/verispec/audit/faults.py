@@ -22,6 +22,7 @@ import torch
 from ..drafters.base import DrafterHooks
 from ..engine import Engine, EngineConfig
 from ..engine.hooks import StepHooks
+from ..models import with_positions
 from ..sampling import keyed_gumbel, logits_to_probs
 from ..verify import rules
 
@@ -117,20 +118,13 @@ class Fault:
         return Engine(target, drafter, policy, config, hooks=self.step, **kw)
 
     def _drafter(self, drafter) -> None:
-        from ..drafters.draft_model import DraftModelDrafter
-        from ..drafters.layerskip import LayerSkipDrafter
         if self.drafter is not None:
             drafter.hooks = self.drafter
         if self.positions is not None:
-            if isinstance(drafter, LayerSkipDrafter):
-                drafter.target = self._model(drafter.target)
-            elif isinstance(drafter, DraftModelDrafter):
-                drafter.model = self._model(drafter.model)
+            drafter.map_models(self._model)
 
     def _model(self, model):
-        from ..models.llama import LlamaModel
-        # only the native runtime's positions can be broken: ggml places tokens itself
-        return model.with_positions(self.positions) if isinstance(model, LlamaModel) else model
+        return with_positions(model, self.positions)
 
 
 def build(name: str) -> Fault:

@@ -86,13 +86,12 @@ def measure_point(ctx: AuditContext, batch: int, prompts: list[list[int]], promp
             t[1] += dt
             t[2] += n_steps
 
-    with ctx.fault():
-        phase(False, 1, record=False)  # prefill + first plain step
-        phase(True, 1, record=False)  # warm the drafter
-        for rnd in range(rounds):
-            order = (False, True) if rnd % 2 == 0 else (True, False)  # ABBA
-            for speculative in order:
-                phase(speculative, steps, record=True)
+    phase(False, 1, record=False)  # prefill + first plain step
+    phase(True, 1, record=False)  # warm the drafter
+    for rnd in range(rounds):
+        order = (False, True) if rnd % 2 == 0 else (True, False)  # ABBA
+        for speculative in order:
+            phase(speculative, steps, record=True)
     for r in list(engine.running):
         engine.cancel(r)
     (tok_p, s_p, n_p), (tok_s, s_s, n_s) = timed[False], timed[True]

@@ -129,3 +129,25 @@ def tail_test(u, tail: float = 0.01) -> TailTest:
 
 
 tail_test.__test__ = False  # not a pytest test, despite the name
+
+
+def fisher_greater(d_test: int, n_test: int, d_null: int, n_null: int) -> float:
+    """One-sided p-value that the test run differs from its base more often than the null
+    run did (Fisher's exact test on [[d, n - d], [d0, n0 - d0]])."""
+    if n_test == 0 or n_null == 0:
+        return 1.0
+    return float(sps.fisher_exact([[d_test, n_test - d_test], [d_null, n_null - d_null]], alternative="greater")[1])
+
+
+def against_null(counts: dict, n: int, null: dict | None, alpha: float, allowance: int) -> tuple[bool, float | None]:
+    """The verdict on one configuration's comparisons with the reference (counts of
+    identical, near-tie, divergence over n prompts): no divergence at a clear margin, and
+    then either at most `allowance` near-ties (no null run: an fp32 backend whose only
+    differences are rare ties) or, where a null run measured what batching alone does
+    (null["differ"] of null["prompts"]), differing prompts no more frequent than there
+    (one-sided Fisher p >= alpha). -> (passed, the Fisher p or None)."""
+    differ = n - counts["identical"]
+    if null is None:
+        return counts["divergence"] == 0 and differ <= allowance, None
+    p = fisher_greater(differ, n, null["differ"], null["prompts"])
+    return counts["divergence"] == 0 and p >= alpha, p

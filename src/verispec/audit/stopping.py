@@ -107,7 +107,7 @@ def stopping_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
     noisy = "noise_top2_gap" in tie and not cfg.batch_invariant
     for policy, label in configs:
         reqs = [Request(ctx.prompt_ids[i], params) for i, params, _, _ in cases]
-        with ctx.progress.stage(f"stopping: speculative, {label}, b={b}", len(reqs)) as bar, ctx.fault():
+        with ctx.progress.stage(f"stopping: speculative, {label}, b={b}", len(reqs)) as bar:
             ctx.engine(min(b, len(reqs)), max_len, policy=policy).run(reqs, on_finish=lambda r: bar.advance())
         wrong = inside = limits = near = 0
         for (i, params, want, reason), r in zip(cases, reqs):

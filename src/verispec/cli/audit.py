@@ -43,7 +43,8 @@ def _temperatures(s: str) -> tuple[float, ...]:
 
 
 def _checks(s: str) -> tuple[str, ...]:
-    from ..audit.context import CHECKS
+    from ..audit.checks import ENGINE, selectable
+    CHECKS = selectable(ENGINE)  # the endpoint audit's are among them
     names = tuple(x.strip() for x in s.split(",") if x.strip())
     bad = [n for n in names if n not in CHECKS]
     if bad or not names:
@@ -52,7 +53,7 @@ def _checks(s: str) -> tuple[str, ...]:
 
 
 def add_audit_parser(sub) -> None:
-    from ..audit.context import CHECKS
+    from ..audit.checks import ENGINE, selectable
     from ..audit.endpoint.runner import add_endpoint_arguments
 
     a = sub.add_parser("audit", help="audit speculative decoding: equivalence, distribution, "
@@ -98,7 +99,7 @@ def add_audit_parser(sub) -> None:
                    help="stop after the first failed check (the verdict is then FAIL; the report lists "
                         "the checks not run)")
     a.add_argument("--only", type=_checks, default=(),
-                   help="comma-separated checks to run (and lossy-rule, record): " + ", ".join(CHECKS)
+                   help="comma-separated checks to run (and lossy-rule, record): " + ", ".join(selectable(ENGINE))
                         + "; the verdict then covers only those")
     add_backend_argument(a)
     from ..audit.faults import argument as fault_argument

@@ -48,6 +48,31 @@ class Drafter(ABC):
     prompt_cache = None  # with reuses_prefills: the PromptCache its prefills read and fill
     hooks: DrafterHooks | None = None  # None: the correct behaviour, with nothing to call
 
+    # What a greedy draft of this drafter is, and so what it costs and how the audit
+    # recomputes it (drafter consistency, the cost model): a draft model's argmax
+    # (draft_model: its CausalLM), the argmax of the target's first draft_layers layers, or
+    # the continuation prompt lookup copies over n-grams of at most lookup_ngram tokens. A
+    # drafter stating none of them drafts without a model (free to run, nothing to replay).
+    draft_model = None
+    draft_layers: int | None = None
+    lookup_ngram: int | None = None
+
+    def map_models(self, fn) -> None:
+        """Replace each model this drafter drafts with by fn(model) (a view of it: the audit's
+        fault suite gives the drafter under audit broken positions this way). A drafter
+        without a model has nothing to replace."""
+
+    def identity(self) -> dict:
+        """What this drafter's timing depends on, the key of the measured-costs cache."""
+        if self.draft_model is not None:
+            return {"kind": "draft-model", "model": self.draft_model.fingerprint(),
+                    "backend": self.draft_model.backend}
+        if self.draft_layers is not None:
+            return {"kind": "layerskip", "num_layers": self.draft_layers}
+        if self.lookup_ngram is not None:
+            return {"kind": "lookup", "max_ngram": self.lookup_ngram}
+        return {"kind": f"{type(self).__module__}.{type(self).__qualname__}"}
+
     def bind_cache(self, cache) -> None:
         """The engine's target cache, once, before any request (a drafter that drafts from
         the target's own cache, layer-skip, keeps it; the others need nothing of it)."""

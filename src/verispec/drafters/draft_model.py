@@ -48,6 +48,13 @@ class DraftModelDrafter(Drafter):
         self.cache = model.new_cache(max_rows, max_len)
         self.prompt_cache = None  # engine.prompt_cache.PromptCache: prefills to reuse
 
+    def map_models(self, fn) -> None:
+        self.model = fn(self.model)
+
+    @property
+    def draft_model(self):  # Drafter: drafts are this model's
+        return self.model
+
     def admit(self, rows, tokens):
         """Take the rows, empty: their prefill waits until they draft (prepare())."""
         for r in rows:

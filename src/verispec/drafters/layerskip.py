@@ -28,6 +28,13 @@ class LayerSkipDrafter(Drafter):
         self.name = f"layerskip:{num_layers}"
         self.cache = None  # bound by the engine: the target's cache
 
+    def map_models(self, fn) -> None:
+        self.target = fn(self.target)
+
+    @property
+    def draft_layers(self) -> int:  # Drafter: drafts are the target's first num_layers layers
+        return self.num_layers
+
     def bind_cache(self, cache) -> None:
         self.cache = cache
 

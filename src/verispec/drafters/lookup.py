@@ -30,6 +30,10 @@ class PromptLookupDrafter(Drafter):
             raise ValueError("lookup n-gram size must be >= 1")
         self.max_ngram = max_ngram
 
+    @property
+    def lookup_ngram(self) -> int:  # Drafter: drafts are prompt lookup's continuation
+        return self.max_ngram
+
     def admit(self, rows, tokens):
         pass
 

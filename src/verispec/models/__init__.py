@@ -38,7 +38,7 @@ from .config import ModelConfig, UnsupportedModelError
 from .loading import LoadedModel
 
 __all__ = ["BACKENDS", "CacheFullError", "CausalLM", "KVCache", "LoadedModel", "ModelConfig",
-           "UnsupportedModelError", "load_model", "resolve_backend"]
+           "UnsupportedModelError", "load_model", "resolve_backend", "with_positions"]
 
 
 class CausalLM(Protocol):
@@ -60,6 +60,15 @@ class CausalLM(Protocol):
 
 
 BACKENDS = ("native", "ggml")
+
+
+def with_positions(model: CausalLM, positions) -> CausalLM:
+    """The model (same weights) placing a pass's tokens at positions(start [B], T) -> [B,T]:
+    the audit's fault suite breaks a ragged batch's RoPE positions this way for the engine
+    under audit alone. Only the native runtime computes positions itself; a ggml model
+    (llama.cpp places tokens) comes back unchanged."""
+    from .llama import LlamaModel
+    return model.with_positions(positions) if isinstance(model, LlamaModel) else model
 
 
 def resolve_backend(spec: str, backend: str | None) -> str:

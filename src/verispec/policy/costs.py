@@ -157,8 +157,6 @@ def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = ME
     each row on a cached context, and the drafter on 1..max_batch rows. The grid is
     timed round-robin (a burst of load on a shared machine hits every shape alike);
     the median of `repeats` is kept."""
-    from ..drafters.draft_model import DraftModelDrafter
-    from ..drafters.layerskip import LayerSkipDrafter
     from ..sampling import SamplingParams
 
     V = target.config.vocab_size
@@ -188,8 +186,8 @@ def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = ME
     flat = timed_grid([target_pass(b, t) for b, t in shapes])
     grid = tuple(tuple(flat[i * len(tps):(i + 1) * len(tps)]) for i in range(len(bps)))
     d_pts = sorted({1, 2, 4, 8, 16, 32, max_batch} & set(range(1, max_batch + 1)))
-    if isinstance(drafter, DraftModelDrafter):
-        dm = drafter.model
+    if drafter.draft_model is not None:  # a model of its own: one-token passes of it
+        dm = drafter.draft_model
         dc = dm.new_cache(max(d_pts), context + 1)
         drows = dc.alloc(max(d_pts))
         dm.forward(torch.randint(0, V, (len(drows), context)).clamp(max=dm.config.vocab_size - 1), dc, drows)
@@ -200,8 +198,8 @@ def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = ME
                 dc.truncate(drows[:m], [context] * m)
             return f
         d_s = timed_grid([dfwd(m) for m in d_pts])
-    elif isinstance(drafter, LayerSkipDrafter):
-        d_s = timed_grid([target_pass(m, 1, last_only=True, num_layers=drafter.num_layers) for m in d_pts])
+    elif drafter.draft_layers is not None:  # the target's first layers: partial one-token passes
+        d_s = timed_grid([target_pass(m, 1, last_only=True, num_layers=drafter.draft_layers) for m in d_pts])
     else:  # model-free drafters (prompt lookup): one propose call for k = max_k, per token
         g = torch.Generator().manual_seed(0)
         seqs = [torch.randint(0, V, (context + 192,), generator=g).tolist() for _ in range(max(d_pts))]
@@ -210,7 +208,7 @@ def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = ME
         def prop(m):
             return lambda: drafter.propose(list(range(m)), seqs[:m], [max_k] * m, [greedy] * m, [None] * m)
         d_s = [t / max_k for t in timed_grid([prop(m) for m in d_pts])]
-    free = not isinstance(drafter, (DraftModelDrafter, LayerSkipDrafter))
+    free = drafter.draft_model is None and drafter.draft_layers is None
     return CostModel(tuple(bps), tuple(tps), grid, tuple(d_pts), tuple(d_s), draft_free=free,
                      halts=drafter.halts)
 
@@ -230,19 +228,9 @@ def cpu_model() -> str:
 
 
 def drafter_identity(drafter) -> dict:
-    """What a drafter's timing depends on: its kind, and a draft model's fingerprint,
-    layer-skip's layer count or lookup's n-gram size."""
-    from ..drafters.draft_model import DraftModelDrafter
-    from ..drafters.layerskip import LayerSkipDrafter
-    from ..drafters.lookup import PromptLookupDrafter
-
-    if isinstance(drafter, DraftModelDrafter):
-        return {"kind": "draft-model", "model": drafter.model.fingerprint(), "backend": drafter.model.backend}
-    if isinstance(drafter, LayerSkipDrafter):
-        return {"kind": "layerskip", "num_layers": drafter.num_layers}
-    if isinstance(drafter, PromptLookupDrafter):
-        return {"kind": "lookup", "max_ngram": drafter.max_ngram}
-    return {"kind": f"{type(drafter).__module__}.{type(drafter).__qualname__}"}
+    """What a drafter's timing depends on (Drafter.identity): its kind, and a draft model's
+    fingerprint, layer-skip's layer count or lookup's n-gram size."""
+    return drafter.identity()
 
 
 def cost_key(target, drafter, max_batch: int, max_k: int) -> dict:

@@ -44,7 +44,8 @@ from pathlib import Path
 
 from scipy import stats as sps
 
-from .null import fisher_greater
+from ..checks import CheckResult
+from ..stats import fisher_greater
 
 ALPHA = 0.01
 LEVEL = 0.95
@@ -226,7 +227,7 @@ def _fmt_change(m: dict) -> str:
     return f"{m['change']:+.3f}" + (f" [{m['low']:+.3f}, {m['high']:+.3f}]" if m["low"] is not None else "")
 
 
-def comparison_check(cmp: dict) -> dict:
+def comparison_check(cmp: dict) -> CheckResult:
     """The comparison as a check of the new report (fails the audit when the gate fails)."""
     changed = ", ".join(t["key"] for t in cmp["triggers_changed"]) or "none"
     summary = (f"against the audit of {cmp['old_started_at']}: triggers changed: {changed}; "
@@ -247,6 +248,5 @@ def comparison_check(cmp: dict) -> dict:
                ["batch", "before", "now", "Fisher p (rose)"],
                [[e["batch"], f"{e['old_divergences']}/{e['old_prompts']}", f"{e['new_divergences']}/{e['new_prompts']}",
                  f"{e['fisher_p']:.3g}"] for e in cmp["equivalence"]])]
-    return {"name": "compare", "passed": cmp["passed"], "informational": False, "summary": summary,
-            "elapsed_s": 0.0, "figures": {k: v for k, v in cmp.items() if k not in ("levels", "slices")},
-            "details": {"levels": cmp["levels"], "slices": cmp["slices"], "tables": tables}}
+    return CheckResult("compare", cmp["passed"], summary, {k: v for k, v in cmp.items() if k not in ("levels", "slices")},
+                       {"levels": cmp["levels"], "slices": cmp["slices"], "tables": tables})

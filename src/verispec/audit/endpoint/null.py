@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from math import comb
 
-from scipy.stats import fisher_exact
+from ..stats import fisher_greater
 
 from .client import PromptResult, first_divergence
 
@@ -122,13 +122,6 @@ def compare(base: list[PromptResult], got: list[PromptResult], concurrency: int)
                          "first_divergence": at, "margin": margin_at(b, at, g) if at is not None else None,
                          "error": err})
     return out
-
-
-def fisher_greater(d_test: int, n_test: int, d_null: int, n_null: int) -> float:
-    """One-sided p-value that the test run diverges more often than the null."""
-    if n_test == 0 or n_null == 0:
-        return 1.0
-    return float(fisher_exact([[d_test, n_test - d_test], [d_null, n_null - d_null]], alternative="greater")[1])
 
 
 def exceedance_p(j: int, n_test: int, n_null: int) -> float:

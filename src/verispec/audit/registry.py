@@ -1,0 +1,181 @@
+"""The built-in checks, in report order: how each runs in the offline audit (engine mode,
+runner.EngineAudit) and from outside (endpoint mode, endpoint.runner.EndpointAudit), and how
+the report shows its result. checks.py says what a check is; report.py renders whatever
+is registered here.
+
+lossy-rule, equivalence, distribution, seeded, stopping, drafter-consistency, corruption,
+slices, load, record: seeded, stopping and drafter-consistency need the engine's own
+seeds, stops and drafter, so they run offline only.
+"""
+
+from __future__ import annotations
+
+from ..verify import LOSSY_RULES
+from . import consistency, corruption, distribution, equivalence, load, plots, record, seeded, speed, stopping
+from .checks import ENDPOINT, ENGINE, Check, CheckResult, Section, register
+from .endpoint import checks as outside
+from .fmt import f as _f, pct as _pct, temps as _temps
+
+
+# -- equivalence -----------------------------------------------------------------------------
+def _equivalence_headline(c: CheckResult) -> list[tuple[str, str]]:
+    return [("Exact match (greedy)", ", ".join(f"b{b} {_pct(v)}" for b, v in c.figures["exact_match_by_batch"].items())
+             + f"; {c.figures['divergences']} clear divergences, {c.figures['near_ties']} near-ties")]
+
+
+def _equivalence_sections(c: CheckResult) -> list[Section]:
+    out = [("Equivalence per batch size", ["batch", "policy", "rows together", "prompts", "exact match",
+                                           "identical", "near-tie", "divergence", "drafts verified", "passed"],
+            [[r["batch"], r.get("policy", "-"), r["rows_decoded_together"], r["prompts"],
+              _pct(r["exact_match_rate"]), r["identical"], r["near-tie"], r["divergence"],
+              r.get("drafted", "-"), r["passed"]] for r in c.details["per_batch"]])]
+    diff = [r for r in c.details["prompts"] if r["verdict"] != "identical"]
+    if diff:
+        out.append(("Equivalence: prompts that differ", ["batch", "prompt", "slice", "first divergence",
+                                                         "top-2 margin", "verdict"],
+                    [[r["batch"], r["id"], r["slice"], r["first_divergence"], _f(r["margin"], ".3g"),
+                      r["verdict"]] for r in diff[:40]]))
+    return out
+
+
+# -- distribution ----------------------------------------------------------------------------
+def _distribution_headline(c: CheckResult) -> list[tuple[str, str]]:
+    f = c.figures
+    return [("Distribution (PIT KS)", f"p = {_f(f['p_value'], '.3g')}, D = {_f(f['ks_statistic'], '.4f')}, "
+                                      f"n = {f['n']} tokens at T={_temps(f)}")]
+
+
+def _distribution_sections(c: CheckResult) -> list[Section]:
+    f = c.figures
+    out = [("Distribution (randomised PIT, KS test)", ["temperature", "tokens", "KS D", "p-value", "alpha",
+                                                       "acceptance", "tokens/pass", "passed"],
+            [[_temps(f), f["n"], _f(f["ks_statistic"], ".4f"), _f(f["p_value"], ".3g"), f["alpha"],
+              _pct(f["acceptance_rate"]), _f(f["mean_accepted_length"]), c.passed]])]
+    if f.get("tests"):
+        pr = f.get("probe")
+        probe_txt = (f"; calibration probe: {pr['verified_drafts']} drafts of the target drafting for itself "
+                     f"from its own nucleus {'/'.join(f'{m:g}' for m in pr['masses'])}, k={pr['k']}, "
+                     f"acceptance {_pct(pr['acceptance_rate'])}") if pr else ""
+        out.append((f"Distribution: one test per mechanism ({f['correction']}, alpha {f['alpha']:g} in all; "
+                    f"{f['verified_drafts']} verified drafts, at least {f['min_verified_drafts']} needed{probe_txt})",
+                    ["test", "kind", "n", "statistic", "p-value", "alpha", "passed"],
+                    [[t["test"], t["kind"], t["n"], _f(t["statistic"], ".3g"), _f(t["p_value"], ".3g"),
+                      _f(t["alpha"], ".2g"), t["passed"]] for t in f["tests"]]))
+    return out
+
+
+# -- seeded ----------------------------------------------------------------------------------
+def _seeded_headline(c: CheckResult) -> list[tuple[str, str]]:
+    f = c.figures
+    if not f.get("applicable"):
+        return []
+    return [("Same seed, same bytes", f"{f['prompts']} seeded prompts at T={_temps(f)}: {f['divergences']} "
+                                      f"divergences, {f['near_ties']} near-ties, {f['drafts_verified']} drafts verified")]
+
+
+def _seeded_sections(c: CheckResult) -> list[Section]:
+    if not c.figures.get("applicable"):
+        return []
+    return [("Seeded speculative vs seeded plain output", ["batch", "policy", "prompts", "identical", "near-tie",
+                                                           "divergence", "drafts verified", "passed"],
+             [[r["batch"], r["policy"], r["prompts"], r["identical"], r["near-tie"], r["divergence"],
+               r["drafted"], r["passed"]] for r in c.details["per_config"]])]
+
+
+# -- stopping --------------------------------------------------------------------------------
+def _stopping_drafts(c: CheckResult) -> int | None:
+    per = (c.details or {}).get("per_config")
+    return sum(r.get("drafted", 0) for r in per) if per else None
+
+
+# -- drafter consistency ---------------------------------------------------------------------
+def _consistency_sections(c: CheckResult) -> list[Section]:
+    if not c.figures.get("applicable"):
+        return []
+    out = [("Drafter consistency", ["batch", "policy", "positions compared", "near-ties", "mismatches"],
+            [[r["batch"], r.get("policy", "-"), r["positions_compared"], r["near_ties"], r["mismatches"]]
+             for r in c.details["per_batch"]])]
+    if c.details["mismatches"]:
+        out.append(("Drafter consistency: first mismatches", ["batch", "prompt", "step", "position", "drafted",
+                                                              "expected"],
+                    [[m["batch"], m["id"], m["step"], m["position"], m["drafted"], m.get("expected", "-")]
+                     for m in c.details["mismatches"][:20]]))
+    return out
+
+
+# -- corruption ------------------------------------------------------------------------------
+def _corruption_sections(c: CheckResult) -> list[Section]:
+    out = [("Corruption signatures", ["batch", "outputs", "flagged"],
+            [[r["batch"], r["outputs"], r["flagged"]] for r in c.details["per_batch"]])]
+    if c.details["flagged"]:
+        out.append(("Corruption: flagged outputs", ["batch", "prompt", "signatures", "end of output"],
+                    [[r["batch"], r["id"], "; ".join(r["signatures"]), r["text"][-80:]]
+                     for r in c.details["flagged"][:20]]))
+    return out
+
+
+# -- slices ----------------------------------------------------------------------------------
+def _slices_headline(c: CheckResult) -> list[tuple[str, str]]:
+    f = c.figures
+    return [("Speedup at batch 1 (pooled)", f"{_f(f['pooled_speedup'])}x, {_f(f['pooled_mean_accepted_length'])} "
+                                            f"tokens/target pass; best {f['best_slice']}, worst {f['worst_slice']}")]
+
+
+def _slices_sections(c: CheckResult) -> list[Section]:
+    rows = c.details["slices"] + [c.details["pooled"]]
+    return [("Acceptance and speed per slice (batch 1)",
+             ["slice", "prompts", "tokens", "tokens/pass", "acceptance", "acceptance per position",
+              "plain tok/s", "spec tok/s", "speedup"],
+             [[r["slice"], r["prompts"], r["tokens"], _f(r["mean_accepted_length"]), _pct(r["acceptance_rate"]),
+               " ".join(_pct(a) for a in r["acceptance_per_position"]), _f(r["plain_tokens_per_s"], ".1f"),
+               _f(r["speculative_tokens_per_s"], ".1f"), _f(r["speedup"]) + "x"] for r in rows])]
+
+
+# -- load ------------------------------------------------------------------------------------
+def _load_sections(c: CheckResult) -> list[Section]:
+    rows = []
+    for name, pts in c.details["points"].items():
+        for p in pts:
+            rows.append([name, p["prompt_tokens"], p["batch"], _f(p["plain_tokens_per_s"], ".1f"),
+                         _f(p["speculative_tokens_per_s"], ".1f"), _f(p["plain_ms_per_token"], ".0f"),
+                         _f(p["speculative_ms_per_token"], ".0f"), _f(p["mean_accepted_length"]),
+                         _f(p["speedup"]) + "x"])
+    return [("Load sweep", ["context", "prompt tokens", "batch", "plain tok/s", "spec tok/s", "plain ms/token",
+                            "spec ms/token", "tokens/pass", "speedup"], rows)]
+
+
+def _lossy_rule(config) -> CheckResult:
+    lossy = config.rule in LOSSY_RULES
+    summary = (f"rule {config.rule!r} is LOSSY: output is not distributed as the target's"
+               if lossy else f"rule {config.rule!r} is exact")
+    return CheckResult("lossy-rule", not lossy, summary,
+                       {"rule": config.rule, "lossy": lossy, "lossy_rules": sorted(LOSSY_RULES)})
+
+
+register(Check("lossy-rule", engine=lambda a: _lossy_rule(a.ctx.config),
+               endpoint=outside.lossy_rule_check, always=True))
+register(Check("equivalence", engine=lambda a: equivalence.equivalence_check(a.ctx, a.runs()),
+               endpoint=outside.equivalence_check, greedy=(ENGINE, ENDPOINT), headline=_equivalence_headline,
+               sections=_equivalence_sections, drafts_verified=lambda c: c.figures.get("drafts_verified"),
+               plot=("equivalence", "Exact match vs the plain reference, per batch size", plots.equivalence)))
+register(Check("distribution", engine=lambda a: distribution.distribution_check(a.ctx),
+               endpoint=outside.distribution_check, headline=_distribution_headline,
+               sections=_distribution_sections, drafts_verified=lambda c: c.figures.get("verified_drafts"),
+               plot=("pit", "Randomised PIT histogram (uniform under an exact sampler)", plots.pit)))
+register(Check("seeded", engine=lambda a: seeded.seeded_check(a.ctx), headline=_seeded_headline,
+               sections=_seeded_sections, drafts_verified=lambda c: c.figures.get("drafts_verified")))
+register(Check("stopping", engine=lambda a: stopping.stopping_check(a.ctx, a.runs()), greedy=(ENGINE,),
+               drafts_verified=_stopping_drafts))
+register(Check("drafter-consistency", engine=lambda a: consistency.drafter_consistency_check(a.ctx, a.runs()),
+               greedy=(ENGINE,), sections=_consistency_sections,
+               drafts_verified=lambda c: c.figures.get("positions_compared")))
+register(Check("corruption", engine=lambda a: corruption.corruption_check(a.ctx, a.runs()),
+               endpoint=outside.corruption_check, greedy=(ENGINE, ENDPOINT), sections=_corruption_sections))
+register(Check("slices", engine=lambda a: speed.slices_check(a.ctx, a.runs()), endpoint=outside.slices_check,
+               greedy=(ENGINE, ENDPOINT), headline=_slices_headline, sections=_slices_sections,
+               plot=("slices", "Acceptance per slice: tokens per target pass (speedup on the bars)", plots.slices)))
+register(Check("load", engine=lambda a: load.load_check(a.ctx), endpoint=outside.load_check, greedy=(ENDPOINT,),
+               headline=lambda c: [("Load crossover", c.summary)], sections=_load_sections,
+               plot=("load", "Speedup of speculative over plain decoding vs load", plots.load)))
+register(Check("record", engine=lambda a: record.record_check(a.record()), endpoint=outside.record_check,
+               always=True))
