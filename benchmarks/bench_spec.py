@@ -26,9 +26,9 @@ from verispec.models import load_model
 from verispec.policy import FixedK
 
 
-def run_native(target, drafter, k, ids, max_new, batch=1):
+def run_native(target, drafter, k, ids, max_new, batch=1, trace=False):
     eng = Engine(target, drafter, FixedK(k if drafter else 0),
-                 EngineConfig(max_batch=batch, max_len=max(map(len, ids)) + max_new))
+                 EngineConfig(max_batch=batch, max_len=max(map(len, ids)) + max_new, trace=trace))
     reqs = [Request(x, GenerationParams(max_new_tokens=max_new, ignore_eos=True)) for x in ids]
     t = time.perf_counter()
     eng.run(reqs)
@@ -124,7 +124,7 @@ def main():
         outs = {}
         for name, make in cfgs.items():
             drafter, k = make()
-            reqs, dt, _ = run_native(target, drafter, k, [ids], args.max_new)
+            reqs, dt, _ = run_native(target, drafter, k, [ids], args.max_new, trace=True)  # ideal_speedup reads it
             outs[name] = reqs[0].output_ids
             res[p.slice][name].append((len(reqs[0].output_ids), dt))
             if name != "plain":

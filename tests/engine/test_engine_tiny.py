@@ -139,7 +139,7 @@ def test_verify_pass_is_not_padded_past_the_longest_draft(models, reference, mon
     widths = []
     real = target.forward
     monkeypatch.setattr(target, "forward", lambda x, *a, **kw: (widths.append(x.shape[1]), real(x, *a, **kw))[1])
-    eng = Engine(target, PromptLookupDrafter(3), FixedK(6), EngineConfig(max_batch=4, max_len=128))
+    eng = Engine(target, PromptLookupDrafter(3), FixedK(6), EngineConfig(max_batch=4, max_len=128, trace=True))
     reqs = [Request(p, GenerationParams(max_new_tokens=m)) for p, m in zip(prompts[:8], max_new[:8])]
     for r in reqs:
         eng.add(r)

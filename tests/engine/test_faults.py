@@ -111,7 +111,7 @@ def _run_spy(target, draft, prompts, fault=None):
     d = LagSpy(draft, V, max_rows=6, max_len=80)
     d.lags = []
     make = Engine if fault is None else build(fault).engine
-    eng = make(target, d, FixedK(3), EngineConfig(max_batch=6, max_len=70))
+    eng = make(target, d, FixedK(3), EngineConfig(max_batch=6, max_len=70, trace=True))
     reqs = [Request(p, GenerationParams(max_new_tokens=24)) for p in prompts]
     eng.run(reqs)
     return reqs, d.lags

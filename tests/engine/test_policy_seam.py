@@ -51,7 +51,7 @@ class Recording(Three):
 def _run(models, drafter, policy, n=6, max_new=12):
     hf, target = models
     prompts = _prompts(n, seed=7)
-    eng = Engine(target, drafter(target), policy, EngineConfig(max_batch=4, max_len=128))
+    eng = Engine(target, drafter(target), policy, EngineConfig(max_batch=4, max_len=128, trace=True))
     reqs = [Request(p, GenerationParams(max_new_tokens=max_new)) for p in prompts]
     eng.run(reqs)
     assert [r.output_ids for r in reqs] == [_hf_reference(hf, [p], max_new)[0] for p in prompts]

@@ -221,7 +221,7 @@ class AuditContext:
                 policy = AdaptivePolicy(self.cost_model(batch, max_len), max_k=k)
         if wrap is not None:
             policy = wrap(policy)
-        config = EngineConfig(max_batch=batch, max_len=max_len, rule=rule or self.config.rule)
+        config = EngineConfig(max_batch=batch, max_len=max_len, rule=rule or self.config.rule, trace=True)
         prompt_cache = None if prompt_caches is None else prompt_caches[0]
         if not speculative:  # plain decoding: a reference, never under audit
             return Engine(self.model, drafter, policy, config, prompt_cache=prompt_cache)

@@ -147,7 +147,7 @@ def _run_probe(ctx: AuditContext, mass: float, reqs: list[Request], batch: int, 
     V = ctx.model.config.vocab_size
     drafter = probe_drafter(ctx.model, V, max_rows=batch, max_len=max_len + PROBE_K + 2, mass=mass)
     engine = ctx.audited_engine(drafter, FixedK(PROBE_K),
-                                EngineConfig(max_batch=batch, max_len=max_len, rule=ctx.config.rule))
+                                EngineConfig(max_batch=batch, max_len=max_len, rule=ctx.config.rule, trace=True))
     t0 = time.perf_counter()
     with ctx.progress.stage(f"distribution: probe, nucleus {mass:g}, k={PROBE_K}, b={batch}", len(reqs)) as bar:
         engine.run(reqs, on_finish=lambda r: bar.advance())

@@ -43,6 +43,9 @@ class EngineConfig:
     max_batch: int = 8  # rows decoded together
     max_len: int = 2048  # prompt + generated tokens per row
     rule: str = "rejection"  # verification rule; see verify/
+    # record each step's drafts, accepted count and q(d) per request (RequestStats.trace and
+    # draft_q) for the audit's checks that replay them; off, the step spends nothing on it
+    trace: bool = False
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -358,9 +361,10 @@ class Engine:
         the rows that finished or failed. -> the requests that finished."""
         reqs = s.reqs
         out_l, s.acc_l = s.out.tolist(), s.n_acc.tolist()  # sync: one transfer for the whole batch
-        drafts_l = s.drafts.tolist()
+        trace = self.config.trace
+        drafts_l = s.drafts.tolist() if trace else None
         # q of each draft token, for the audit's calibration test (rows verified by rejection)
-        qd_l = None if s.q is None else s.q.gather(-1, s.drafts[..., None]).squeeze(-1).tolist()  # [B,K]
+        qd_l = None if s.q is None or not trace else s.q.gather(-1, s.drafts[..., None]).squeeze(-1).tolist()  # [B,K]
         committed, finished = [], []
         for b, r in enumerate(reqs):
             if b in s.failed:  # keeps its pre-step length; freed below
@@ -368,11 +372,12 @@ class Engine:
                 continue
             n = s.num_l[b]
             r.stats.record_step(n, s.acc_l[b])
-            r.stats.trace.append((s.n0[b], drafts_l[b][:n], s.acc_l[b], s.k[b]))
-            if self.rule_for(r) not in ("rejection", "typical-lossy"):  # rules that draw with a generator
-                r.stats.draft_q.append(None)
-            else:  # no q from the drafter: q is one-hot at its draft (prompt lookup)
-                r.stats.draft_q.append(qd_l[b][:n] if qd_l is not None else [1.0] * n)
+            if trace:
+                r.stats.trace.append((s.n0[b], drafts_l[b][:n], s.acc_l[b], s.k[b]))
+                if self.rule_for(r) not in ("rejection", "typical-lossy"):  # rules that draw with a generator
+                    r.stats.draft_q.append(None)
+                else:  # no q from the drafter: q is one-hot at its draft (prompt lookup)
+                    r.stats.draft_q.append(qd_l[b][:n] if qd_l is not None else [1.0] * n)
             reason = self._append(r, out_l[b][:s.acc_l[b] + 1])
             s.n_out += len(r.output_ids) - r.stats.generated_tokens
             r.stats.generated_tokens = len(r.output_ids)

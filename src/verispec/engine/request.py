@@ -37,7 +37,8 @@ class RequestStats:
     accepted_per_position: list[int] = field(default_factory=list)
     k_chosen: list[int] = field(default_factory=list)  # drafts per step, as the policy chose
     # per step: (sequence length before the step, drafted tokens, accepted count, drafts the
-    # engine asked for); lets the audit recompute what a correct drafter would have proposed
+    # engine asked for); lets the audit recompute what a correct drafter would have proposed.
+    # Filled only by an engine with EngineConfig(trace=True), as the draft_q below.
     trace: list[tuple[int, list[int], int, int]] = field(default_factory=list)
     # per step, aligned with trace: the drafter's q(d) of each draft token as the engine
     # verified it (1.0 where q is one-hot: prompt lookup) for rows verified by rejection or
