@@ -8,6 +8,7 @@ A plain decoding step is the same step with k = 0 drafts for every row.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections import deque
@@ -21,6 +22,8 @@ from ..verify import LOSSY_RULES, RULES
 from ..models.prefill import prefill
 from .hooks import CORRECT, StepHooks
 from .request import Request
+
+log = logging.getLogger(__name__)
 
 
 class ContextLengthError(ValueError):
@@ -97,6 +100,7 @@ class StepRecord:
     failed: dict = field(default_factory=dict)  # row index -> why it failed
     n_out: int = 0  # tokens appended in the commit
     prep_s: float = 0.0  # the drafter's deferred prefill (counted as prefill)
+    committed: bool = False  # the commit point passed: tokens appended, caches rolled back
     t_draft: float = 0.0  # drafting starts
     t_verify: float = 0.0  # drafting ends
     t_accept: float = 0.0  # the verify pass ends
@@ -225,7 +229,8 @@ class Engine:
         A step that raises for the whole batch (a drafter or a model forward failing
         on one row's input) is undone and taken again one row at a time, so the row
         that fails fails alone. Undoing is a length change: every cache row goes back
-        to what it held before the step; tokens are appended only in the commit."""
+        to what it held before the step. Only a step that raises before its commit point
+        comes back here; _commit then leaves every output as it was (see _commit)."""
         failed = self._admit()
         reqs = self.running
         if not reqs:
@@ -358,17 +363,53 @@ class Engine:
 
     def _commit(self, s: "StepRecord") -> list[Request]:
         """Append emitted tokens, apply stops, roll caches back to each row's length; end
-        the rows that finished or failed. -> the requests that finished."""
+        the rows that finished or failed. -> the requests that finished.
+
+        Atomic: the tokens are appended first (the stop and length rules read the output
+        as it grows), then the caches and the drafter roll back; if either raises, every
+        row's output goes back to its length before the step and the exception reaches
+        step(), whose undo and retry then see outputs and caches that agree. Once both
+        succeeded the step is committed: nothing after it (the stats, ending rows,
+        the policy's observation) may send the step back to be taken again."""
         reqs = s.reqs
         out_l, s.acc_l = s.out.tolist(), s.n_acc.tolist()  # sync: one transfer for the whole batch
+        before = [len(r.output_ids) for r in reqs]
+        committed, finished = [], []
+        try:
+            for b, r in enumerate(reqs):
+                if b in s.failed:  # keeps its pre-step length; freed below
+                    committed.append(s.n0[b] - 1)
+                    continue
+                reason = self._append(r, out_l[b][:s.acc_l[b] + 1])
+                committed.append(self._committed_length(r))
+                if reason:
+                    finished.append((r, reason))
+            self.cache.truncate(s.rows, committed)
+            if self.drafter is not None:
+                self.drafter.rollback(s.rows, committed)
+        except Exception:
+            for r, n in zip(reqs, before):
+                del r.output_ids[n:]
+            raise
+        s.committed = True
+        self._record(s)
+        ended = []
+        for r, reason in finished:
+            self._end(r, reason, ended)
+        for b, why in s.failed.items():
+            self._end(reqs[b], "error", ended, why)
+        done = {id(r) for r in ended}
+        self.running = [r for r in reqs if id(r) not in done]
+        return ended
+
+    def _record(self, s: "StepRecord") -> None:
+        """The committed step in each row's stats (and, with config.trace, in its trace)."""
         trace = self.config.trace
         drafts_l = s.drafts.tolist() if trace else None
         # q of each draft token, for the audit's calibration test (rows verified by rejection)
         qd_l = None if s.q is None or not trace else s.q.gather(-1, s.drafts[..., None]).squeeze(-1).tolist()  # [B,K]
-        committed, finished = [], []
-        for b, r in enumerate(reqs):
-            if b in s.failed:  # keeps its pre-step length; freed below
-                committed.append(s.n0[b] - 1)
+        for b, r in enumerate(s.reqs):
+            if b in s.failed:
                 continue
             n = s.num_l[b]
             r.stats.record_step(n, s.acc_l[b])
@@ -378,30 +419,34 @@ class Engine:
                     r.stats.draft_q.append(None)
                 else:  # no q from the drafter: q is one-hot at its draft (prompt lookup)
                     r.stats.draft_q.append(qd_l[b][:n] if qd_l is not None else [1.0] * n)
-            reason = self._append(r, out_l[b][:s.acc_l[b] + 1])
             s.n_out += len(r.output_ids) - r.stats.generated_tokens
             r.stats.generated_tokens = len(r.output_ids)
-            committed.append(self._committed_length(r))
-            if reason:
-                finished.append((r, reason))
-        self.cache.truncate(s.rows, committed)
-        if self.drafter is not None:
-            self.drafter.rollback(s.rows, committed)
-        for r, reason in finished:
-            self._finish(r, reason)
-        for b, why in s.failed.items():
-            self._fail(reqs[b], why)
-            finished.append((reqs[b], "error"))
-        done = {id(r) for r, _ in finished}
-        self.running = [r for r in reqs if id(r) not in done]
-        return [r for r, _ in finished]
+
+    def _end(self, r: Request, reason: str, ended: list, why: str | None = None) -> None:
+        """End a row after the commit. Its tokens are committed; if freeing its rows
+        raises, the request ends with an error saying so and the others go on."""
+        try:
+            if reason == "error":
+                self._fail(r, why)
+            else:
+                self._finish(r, reason)
+        except Exception as e:  # noqa: BLE001 - after the commit: this row's failure alone
+            r.finished, r.finish_reason = True, "error"
+            r.error = (f"freeing the request's rows failed after its tokens were committed "
+                       f"({type(e).__name__}: {e}); other requests were not affected")
+        ended.append(r)
 
     def _observe(self, s: "StepRecord") -> None:
         """After the step, the policy learns its outcome (never earlier: it sees no verdict
-        before it chose): s.k as settled in _propose, accepted drafts per row, and times."""
-        self.policy.observe(s.reqs, s.k, s.acc_l)
+        before it chose): s.k as settled in _propose, accepted drafts per row, and times.
+        The step is committed by now: a policy that raises here is logged and the step
+        stands (taking it again would emit its tokens twice)."""
         draft_s, verify_s = s.t_verify - s.t_draft, s.t_accept - s.t_verify
-        self.policy.observe_costs(s.B, s.K + 1, sum(kb > 0 for kb in s.k), max(s.k), draft_s, verify_s)
+        try:
+            self.policy.observe(s.reqs, s.k, s.acc_l)
+            self.policy.observe_costs(s.B, s.K + 1, sum(kb > 0 for kb in s.k), max(s.k), draft_s, verify_s)
+        except Exception:  # noqa: BLE001 - a learning failure does not undo a committed step
+            log.exception("the policy's observe() raised after a committed step; the step stands")
         t_end = time.perf_counter()
         self.times.draft_s += draft_s
         self.times.verify_forward_s += verify_s
