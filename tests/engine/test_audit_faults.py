@@ -42,6 +42,8 @@ def test_audit_passes_without_fault(models, tmp_path):
     result = tiny_audit(models)
     report = _report(result, tmp_path)
     assert report["verdict"] == "pass", [c["summary"] for c in report["checks"] if not c["passed"]]
+    tests = {t["test"]: t for t in next(c for c in report["checks"] if c["name"] == "distribution")["figures"]["tests"]}
+    assert tests["drafts"]["n"] > 500 and tests["drafts"]["passed"]  # the draft model's draws follow its q
     assert [c["name"] for c in report["checks"]] == CHECKS
     eq = next(c for c in report["checks"] if c["name"] == "equivalence")
     assert eq["figures"]["min_exact_match"] == 1.0
@@ -83,12 +85,20 @@ def test_fault_fails_the_audit(models, tmp_path, fault):
 # tokens are drawn, so these two mechanisms are not exercised there. The audit must then say
 # so (below); on SmolLM2 both faults fail the quick audit (benchmarks/mutation_suite.py).
 NOT_EXERCISED = {("lookup", "stop-only-at-run-end"), ("lookup", "bonus-previous-position")}
+# prompt lookup draws nothing from a q: a fault in how a drafter draws from its q is in code
+# that a lookup deployment never runs, and its audit rightly passes
+NOT_RUN = {("lookup", "draft-drawn-top-k"), ("lookup", "draft-drawn-sharper")}
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "layerskip"])
 @pytest.mark.parametrize("fault", sorted(CAUGHT_BY))
 def test_fault_fails_the_audit_with_each_drafter(models, tmp_path, fault, drafter):
     result = tiny_audit(models, fault=fault, drafter=drafter)
+    if (drafter, fault) in NOT_RUN:
+        report = _report(result, tmp_path)
+        dist = next(c for c in report["checks"] if c["name"] == "distribution")
+        assert report["verdict"] == "pass" and "drafts" not in [t["test"] for t in dist["figures"]["tests"]]
+        return
     if (drafter, fault) not in NOT_EXERCISED:
         _assert_caught(result, tmp_path, fault)
         return
@@ -310,3 +320,13 @@ def test_only_runs_the_checks_asked_for(models, tmp_path):
     assert "equivalence" in report["record"]["checks_not_run"]
     with pytest.raises(ValueError, match="unknown checks"):
         real(only=("no-such-check",))
+
+
+@pytest.mark.parametrize("fault", ["draft-drawn-top-k", "draft-drawn-sharper"])
+def test_a_drafter_that_draws_from_another_distribution_fails_the_drafts_own_pit(models, tmp_path, fault):
+    """The drafter reports q and draws from something else: the PIT of its drafts under the
+    q the verifier read rejects, from the engine's record of that q, not from a q the audit
+    recomputes with the drafter's own code (which would repeat the drafter's claim)."""
+    report = _report(tiny_audit(models, fault=fault), tmp_path)
+    tests = {t["test"]: t for t in next(c for c in report["checks"] if c["name"] == "distribution")["figures"]["tests"]}
+    assert not tests["drafts"]["passed"] and tests["drafts"]["p_value"] < 1e-6, tests["drafts"]

@@ -112,6 +112,21 @@ def _mechanisms(r: Request, p: torch.Tensor, q: torch.Tensor | None = None):
     return calib, recovered, bonus, impossible
 
 
+def _draft_pits(r: Request, g: torch.Generator) -> list[float]:
+    """The randomised PIT of every token the drafter drew for r (verified or not) under the q
+    it reported and the verifier read: above + U q(d), above being the mass of q ranked
+    before d (engine trace, EngineConfig(trace=True)). Uniform when each draft is a sample of
+    that q, whatever the target does; a drafter that draws from one distribution (another
+    temperature, a filter) and reports another is not. Empty without a reported q."""
+    out: list[float] = []
+    for (_, drafts, _, _), qd, above in zip(r.stats.trace, r.stats.draft_q, r.stats.draft_q_above):
+        if not drafts or qd is None or above is None:
+            continue
+        u = torch.rand(len(drafts), generator=g, dtype=torch.float64).tolist()
+        out += [min(1.0, a + ui * q) for a, q, ui in zip(above, qd, u)]
+    return out
+
+
 def _calibration_bins(calib: list[tuple[float, int]], n_bins: int = 10) -> list[dict]:
     """Verified drafts binned by their exact acceptance a: mean a against the share kept
     (on the diagonal under the null), for the report's calibration plot."""
@@ -182,6 +197,7 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     g = torch.Generator().manual_seed(cfg.seed)
     oracle = oracle_for(ctx.drafter_factory(1, 8), ctx.model)  # the drafter's q, recomputed
     us, us_rec, us_bonus, calib, probe_calib, impossible = [], [], [], [], [], 0
+    us_drafts: list[float] = []
     todo = [(r, None) for r in reqs] + [(r, m) for m, rs in probe for r in rs]
     # each prompt is prefilled once for all its outputs (the same batch-1 numbers)
     target_prefixes, draft_prefixes = prefix_cache(), prefix_cache()
@@ -196,6 +212,8 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
             q = draft_q(oracle, r, p.shape[-1], draft_prefixes) if mass is None else nucleus_q(p, mass)
             c, rec, bonus, imp = _mechanisms(r, p, q)
             (calib if mass is None else probe_calib).extend(c)
+            if mass is None:  # the deployed drafter's own draws (the probe's are the probe's)
+                us_drafts.extend(_draft_pits(r, g))
             impossible += imp
             if rec:
                 idx = torch.tensor([j for j, _ in rec])
@@ -208,13 +226,16 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
         u = torch.cat(parts) if parts else torch.empty(0)
         if u.numel() >= MIN_TOKENS_PER_PIT:
             families[name] = u
+    if len(us_drafts) >= MIN_TOKENS_PER_PIT:
+        families["drafts"] = torch.tensor(us_drafts, dtype=torch.float64)
     results = {name: test_uniform(u.numpy()) for name, u in families.items()}  # sync: for scipy
     tails = {name: tail_test(u.numpy(), TAIL) for name, u in families.items()}
     calib_res = calibration_test([a for a, _ in calib], [k for _, k in calib]) if calib else None
     probe_res = calibration_test([a for a, _ in probe_calib], [k for _, k in probe_calib]) if probe_calib else None
     m = len(results) + len(tails) + (calib_res is not None) + (probe_res is not None)
     alpha_each = ALPHA / m
-    tests = [{"test": name, "kind": "KS, PIT over descending p", "statistic": t.ks_statistic, "n": t.n,
+    tests = [{"test": name, "kind": "KS, PIT of each draft under the q the verifier read (descending q)"
+              if name == "drafts" else "KS, PIT over descending p", "statistic": t.ks_statistic, "n": t.n,
               "p_value": t.p_value, "alpha": alpha_each, "passed": t.passed(alpha_each), "histogram": t.histogram}
              for name, t in results.items()]
     tests += [{"test": f"{name}-tail", "kind": f"binomial, share of PIT above {1 - TAIL:g} (exactly {TAIL:g})",

@@ -46,6 +46,10 @@ FAULTS = {
                          "limit is checked at the end of a step's emitted run: max_tokens overshoots by one",
     "draft-q-untempered": "a drafter with q reports its raw softmax as q while it draws the drafts "
                           "under the request's sampling settings (prompt lookup: q is read as 1/2, not 1)",
+    "draft-drawn-top-k": "a drafter with q draws its drafts from the top 10 tokens of q (renormalised) "
+                         "while it reports q itself: a filter applied on one side only",
+    "draft-drawn-sharper": "a drafter with q draws its drafts from q squared (renormalised: half the "
+                           "temperature) while it reports q",
 }
 
 # the audit check that is meant to catch each fault (others may fail too)
@@ -63,6 +67,10 @@ EXPECTED_CHECK = {
     "verify-untempered": "distribution",  # only at temperatures other than 1 or with top-k/top-p
     "length-off-by-one": "stopping",
     "draft-q-untempered": "distribution",
+    # drafters that draw from one distribution and report another: the drafts' own PIT
+    # under the reported q (prompt lookup draws nothing: nothing to break)
+    "draft-drawn-top-k": "distribution",
+    "draft-drawn-sharper": "distribution",
 }
 
 
@@ -251,6 +259,20 @@ class _StaleDrafter(DrafterHooks):
         return seq[max(cached, len(seq) - 1):]
 
 
+class _DrawnTopK(DrafterHooks):
+    def drawn_q(self, q):  # the top 10 of q, renormalised; q itself is what the verifier reads
+        keep = torch.zeros_like(q)
+        top = q.topk(min(10, q.shape[-1])).indices
+        keep[top] = q[top]
+        return keep / keep.sum()
+
+
+class _DrawnSharper(DrafterHooks):
+    def drawn_q(self, q):  # q squared, renormalised: drawn at half the temperature of the q reported
+        q2 = q.double() ** 2
+        return (q2 / q2.sum()).to(q.dtype)
+
+
 class _RawQ(DrafterHooks):
     def reported_q(self, q, logits):  # drawn under the sampling settings, reported raw
         return logits.float().softmax(-1)
@@ -279,4 +301,6 @@ _PARTS: dict[str, Callable[[float | None], dict]] = {
     "length-off-by-one": lambda c: {"step": _LengthOffByOne()},
     # layer-skip and a draft model report the raw q; prompt lookup's missing q is read as p
     "draft-q-untempered": lambda c: {"drafter": _RawQ(), "step": _NoQReadAsP()},
+    "draft-drawn-top-k": lambda c: {"drafter": _DrawnTopK()},
+    "draft-drawn-sharper": lambda c: {"drafter": _DrawnSharper()},
 }

@@ -32,6 +32,10 @@ class DrafterHooks:
         """The q [V] recorded for a draft drawn from q (logits [V]: the drafter's own)."""
         return q
 
+    def drawn_q(self, q: torch.Tensor) -> torch.Tensor:
+        """The distribution [V] a sampled draft is drawn from, q being the one it reports."""
+        return q
+
 
 CORRECT_HOOKS = DrafterHooks()  # holds no state: shared by the drafters without hooks
 
@@ -123,7 +127,7 @@ def draft_from_logits(logits: torch.Tensor, active: list[int], i: int, tokens, s
             q = transform(q)
         if probs is not None:
             probs[b, i, :q.shape[-1]] = q if hooks is None else hooks.reported_q(q, logits[j])
-        out[b, i] = sample_token(q, sp, generators[b], len(tokens[b]) + i)
+        out[b, i] = sample_token(q if hooks is None else hooks.drawn_q(q), sp, generators[b], len(tokens[b]) + i)
         if conf is not None:
             conf[j] = float(q[out[b, i]])
     return conf

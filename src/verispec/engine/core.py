@@ -403,24 +403,38 @@ class Engine:
         return ended
 
     def _record(self, s: "StepRecord") -> None:
-        """The committed step in each row's stats (and, with config.trace, in its trace)."""
-        trace = self.config.trace
-        drafts_l = s.drafts.tolist() if trace else None
-        # q of each draft token, for the audit's calibration test (rows verified by rejection)
-        qd_l = None if s.q is None or not trace else s.q.gather(-1, s.drafts[..., None]).squeeze(-1).tolist()  # [B,K]
+        """The committed step in each row's stats (and, with config.trace, in its trace;
+        without it, the step spends nothing on the trace)."""
+        trace = self._trace_lists(s) if self.config.trace else None
         for b, r in enumerate(s.reqs):
             if b in s.failed:
                 continue
             n = s.num_l[b]
             r.stats.record_step(n, s.acc_l[b])
-            if trace:
+            if trace is not None:
+                drafts_l, qd_l, above_l = trace
                 r.stats.trace.append((s.n0[b], drafts_l[b][:n], s.acc_l[b], s.k[b]))
                 if self.rule_for(r) not in ("rejection", "typical-lossy"):  # rules that draw with a generator
                     r.stats.draft_q.append(None)
+                    r.stats.draft_q_above.append(None)
                 else:  # no q from the drafter: q is one-hot at its draft (prompt lookup)
                     r.stats.draft_q.append(qd_l[b][:n] if qd_l is not None else [1.0] * n)
+                    r.stats.draft_q_above.append(above_l[b][:n] if above_l is not None else None)
             s.n_out += len(r.output_ids) - r.stats.generated_tokens
             r.stats.generated_tokens = len(r.output_ids)
+
+    @staticmethod
+    def _trace_lists(s: "StepRecord") -> tuple[list, list | None, list | None]:
+        """The step's drafts [B][K]; q(d) of each, for the audit's calibration test; and the
+        mass q puts on the tokens ranked before d (descending q, ties by id), for its test
+        that the drafts are samples of the q the verifier read. None without a q (one-hot)."""
+        drafts_l = s.drafts.tolist()
+        if s.q is None or not s.drafts.numel():
+            return drafts_l, None, None
+        qd = s.q.gather(-1, s.drafts[..., None])  # [B,K,1]
+        ids = torch.arange(s.q.shape[-1])
+        before = (s.q > qd) | ((s.q == qd) & (ids < s.drafts[..., None]))  # [B,K,V]
+        return drafts_l, qd.squeeze(-1).tolist(), (s.q * before).sum(-1).tolist()
 
     def _end(self, r: Request, reason: str, ended: list, why: str | None = None) -> None:
         """End a row after the commit. Its tokens are committed; if freeing its rows

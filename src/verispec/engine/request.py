@@ -45,6 +45,11 @@ class RequestStats:
     # typical-lossy; None for greedy and coupled rows. The audit recomputes q itself and reads
     # only which steps were verified by a rule that draws with a generator.
     draft_q: list[list[float] | None] = field(default_factory=list)
+    # per step, aligned with draft_q: for each draft token d, the mass q puts on the tokens
+    # ranked before d (descending q, ties by id), so that above + U q(d) is d's randomised
+    # PIT under the q the verifier read; None where no q was reported (one-hot, greedy,
+    # coupled). The audit tests that the drafts are samples of that q.
+    draft_q_above: list[list[float] | None] = field(default_factory=list)
     time_s: float = 0.0  # wall time from admission to finish
 
     def record_step(self, k: int, accepted: int) -> None:
