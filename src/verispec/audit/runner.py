@@ -93,7 +93,7 @@ def run_audit(config: AuditConfig, *, target=None, drafter_factory: DrafterFacto
                        suite=suite, prompts=chosen, prompt_ids=[encode(tokenizer, p.prompt, chat) for p in chosen],
                        chat=chat, stops=stops, progress=progress)
 
-    audit = EngineAudit(ctx, getattr(target, "files", None), draft_files, started)
+    audit = EngineAudit(ctx, target.files, draft_files, started)
     for check in checks_for(ENGINE):
         if not check.always and ((config.fail_fast and any(not c.passed for c in audit.results))
                                  or (config.only and check.name not in config.only)):

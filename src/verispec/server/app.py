@@ -100,7 +100,7 @@ class ServerState:
         if config.stop_token_ids is not None:
             self.stop_token_ids = tuple(config.stop_token_ids)
         else:
-            eos = tuple(getattr(engine.target.config, "eos_token_ids", ()) or ())
+            eos = tuple(engine.target.config.eos_token_ids)
             tok_eos = getattr(tokenizer, "eos_token_id", None)
             self.stop_token_ids = tuple(dict.fromkeys(eos + ((tok_eos,) if tok_eos is not None else ())))
         # no token decodes to more characters than this: a longer text cannot fit the context
