@@ -87,7 +87,7 @@ def test_fault_fails_the_audit(models, tmp_path, fault):
 NOT_EXERCISED = {("lookup", "stop-only-at-run-end"), ("lookup", "bonus-previous-position")}
 # prompt lookup draws nothing from a q: a fault in how a drafter draws from its q is in code
 # that a lookup deployment never runs, and its audit rightly passes
-NOT_RUN = {("lookup", "draft-drawn-top-k"), ("lookup", "draft-drawn-sharper")}
+NOT_RUN = {("lookup", "draft-drawn-top-p"), ("lookup", "draft-drawn-sharper")}
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "layerskip"])
@@ -225,7 +225,7 @@ def test_consistency_oracle_agrees_with_each_healthy_drafter(models, kind):
         drafter = {"lookup": lambda: PromptLookupDrafter(3),
                    "layerskip": lambda: LayerSkipDrafter(target, 2),
                    "draft-model": lambda: DraftModelDrafter(draft, V, max_rows=batch, max_len=80)}[kind]()
-        eng = Engine(target, drafter, FixedK(3), EngineConfig(max_batch=batch, max_len=64))
+        eng = Engine(target, drafter, FixedK(3), EngineConfig(max_batch=batch, max_len=64, trace=True))
         reqs = [Request(p, GenerationParams(max_new_tokens=9 + 3 * i)) for i, p in enumerate(prompts)]
         eng.run(reqs)
         oracle = oracle_for(drafter, target)
@@ -322,7 +322,7 @@ def test_only_runs_the_checks_asked_for(models, tmp_path):
         real(only=("no-such-check",))
 
 
-@pytest.mark.parametrize("fault", ["draft-drawn-top-k", "draft-drawn-sharper"])
+@pytest.mark.parametrize("fault", ["draft-drawn-top-p", "draft-drawn-sharper"])
 def test_a_drafter_that_draws_from_another_distribution_fails_the_drafts_own_pit(models, tmp_path, fault):
     """The drafter reports q and draws from something else: the PIT of its drafts under the
     q the verifier read rejects, from the engine's record of that q, not from a q the audit

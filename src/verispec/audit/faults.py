@@ -46,7 +46,7 @@ FAULTS = {
                          "limit is checked at the end of a step's emitted run: max_tokens overshoots by one",
     "draft-q-untempered": "a drafter with q reports its raw softmax as q while it draws the drafts "
                           "under the request's sampling settings (prompt lookup: q is read as 1/2, not 1)",
-    "draft-drawn-top-k": "a drafter with q draws its drafts from the top 10 tokens of q (renormalised) "
+    "draft-drawn-top-p": "a drafter with q draws its drafts from the 0.8 nucleus of q (renormalised) "
                          "while it reports q itself: a filter applied on one side only",
     "draft-drawn-sharper": "a drafter with q draws its drafts from q squared (renormalised: half the "
                            "temperature) while it reports q",
@@ -69,7 +69,7 @@ EXPECTED_CHECK = {
     "draft-q-untempered": "distribution",
     # drafters that draw from one distribution and report another: the drafts' own PIT
     # under the reported q (prompt lookup draws nothing: nothing to break)
-    "draft-drawn-top-k": "distribution",
+    "draft-drawn-top-p": "distribution",
     "draft-drawn-sharper": "distribution",
 }
 
@@ -259,10 +259,12 @@ class _StaleDrafter(DrafterHooks):
         return seq[max(cached, len(seq) - 1):]
 
 
-class _DrawnTopK(DrafterHooks):
-    def drawn_q(self, q):  # the top 10 of q, renormalised; q itself is what the verifier reads
+class _DrawnNucleus(DrafterHooks):
+    def drawn_q(self, q):  # the 0.8 nucleus of q, renormalised; q itself is what the verifier reads
+        order = q.argsort(descending=True)
+        before = q[order].cumsum(0) - q[order]  # mass ranked before each token
         keep = torch.zeros_like(q)
-        top = q.topk(min(10, q.shape[-1])).indices
+        top = order[before < 0.8]
         keep[top] = q[top]
         return keep / keep.sum()
 
@@ -301,6 +303,6 @@ _PARTS: dict[str, Callable[[float | None], dict]] = {
     "length-off-by-one": lambda c: {"step": _LengthOffByOne()},
     # layer-skip and a draft model report the raw q; prompt lookup's missing q is read as p
     "draft-q-untempered": lambda c: {"drafter": _RawQ(), "step": _NoQReadAsP()},
-    "draft-drawn-top-k": lambda c: {"drafter": _DrawnTopK()},
+    "draft-drawn-top-p": lambda c: {"drafter": _DrawnNucleus()},
     "draft-drawn-sharper": lambda c: {"drafter": _DrawnSharper()},
 }
