@@ -73,26 +73,33 @@ def test_padding_positions_are_zeros(smol):
     assert torch.equal(last[1], m.forward(torch.tensor([[4, 5, 9]]), fresh, row)[0, -1])  # its own last token
 
 
-def test_a_length_lowered_directly_is_a_rollback_and_one_raised_is_refused(smol):
-    """As on the native cache, a row's length is the truth: lowering it directly (the draft
-    model's rollback does) drops what llama.cpp holds past it before the next decode, which
-    then equals a fresh decode of the kept tokens; a length raised past what llama.cpp holds
-    is refused by llama.cpp's own position check, never decoded silently."""
+def test_rollback_is_truncate_and_a_length_written_directly_is_refused(smol):
+    """Rollback is truncate (llama_memory_seq_rm of the row's tail): the next feed equals a
+    fresh decode of the kept tokens. A length written directly, lowered or raised, is refused
+    at the row's next forward and snapshot, never decoded at positions llama.cpp disagrees
+    with; a feed that llama.cpp refuses leaves the row as it was."""
     m = smol.model
+    V = m.config.vocab_size
     cache = m.new_cache(2, 32)
     row = cache.alloc()
     m.forward(torch.tensor([[1, 2, 3, 4]]), cache, row)
-    cache.lengths[row] = 2  # a rollback without truncate()
+    cache.truncate(row, [2])
+    assert cache.held[row].tolist() == [2]
     got = m.forward(torch.tensor([[5, 6]]), cache, row)[0]
     assert cache.lengths[row].tolist() == [4] and cache.held[row].tolist() == [4]
     fresh = m.new_cache(1, 32)
     ref = m.forward(torch.tensor([[1, 2, 5, 6]]), fresh, fresh.alloc())[0, 2:]
     assert torch.equal(got, ref)
-    cache.lengths[row] = 6  # positions 4 and 5 were never written
-    with pytest.raises(RuntimeError, match="llama_decode failed"):
-        m.forward(torch.tensor([[7]]), cache, row)
-    # the failed decode left nothing behind: back at its true length the row decodes on
-    cache.lengths[row] = 4
+    for wrong in (2, 6):
+        cache.lengths[row] = wrong
+        with pytest.raises(RuntimeError, match="outside truncate"):
+            m.forward(torch.tensor([[7]]), cache, row)
+        with pytest.raises(RuntimeError, match="outside truncate"):
+            cache.snapshot(row[0])
+        cache.lengths[row] = 4
+    with pytest.raises(RuntimeError, match="llama_decode failed"):  # a token past the vocabulary
+        m.forward(torch.tensor([[7, V + 5]]), cache, row)
+    assert cache.lengths[row].tolist() == [4] and cache.held[row].tolist() == [4]
     got = m.forward(torch.tensor([[7, 8]]), cache, row)[0]
     fresh = m.new_cache(1, 32)
     ref = m.forward(torch.tensor([[1, 2, 5, 6, 7, 8]]), fresh, fresh.alloc())[0, 4:]
@@ -211,6 +218,49 @@ def test_batch_invariant_cache_keeps_cells_ordered_and_compacts(smol_invariant):
     assert cache._garbage == 0 and cache._head == 13 and cache.compactions == 1
     assert cache.lengths[[a, b]].tolist() == [7, 6]
     assert torch.equal(m.forward(nxt, cache, [a, b]), before)
+
+
+def test_batch_invariant_failed_feed_is_rolled_back(smol_invariant):
+    """A feed of several passes that fails after some of them reached llama.cpp is rolled back
+    by truncate's own path: with the layout known (a failure past the decode) the placed cells
+    are freed and the head returns; with it unknown (llama.cpp refused a pass) the tail is
+    removed and the next feed compacts. Either way the row then decodes as a fresh one."""
+    m = smol_invariant.model
+    V = m.config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    prompt, more = torch.randint(0, V, (1, 10), generator=g), torch.randint(0, V, (1, 70), generator=g)
+    cache = m.new_cache(2, 96)
+    a, b = cache.alloc(2)
+    m.forward(prompt, cache, [a])
+    m.forward(prompt, cache, [b])
+    head = cache._head
+
+    class Stop(Exception):
+        pass
+
+    outputs, calls = cache._outputs, []
+
+    def second_fails(n, width):  # the second of the feed's two passes (63 + 7 tokens) fails
+        calls.append(n)
+        if len(calls) == 2:
+            raise Stop
+        return outputs(n, width)
+
+    cache._outputs = second_fails
+    with pytest.raises(Stop):
+        m.forward(more, cache, [b])
+    del cache._outputs
+    assert cache.lengths[[a, b]].tolist() == [10, 10] and cache.held[[a, b]].tolist() == [10, 10]
+    assert cache._head == head and cache._garbage == 0 and not cache._dirty
+    bad = more.clone()
+    bad[0, -1] = V + 5  # llama.cpp refuses the second pass
+    with pytest.raises(RuntimeError, match="llama_decode failed"):
+        m.forward(bad, cache, [a])
+    assert cache.lengths[[a, b]].tolist() == [10, 10] and cache._dirty
+    got = m.forward(more[:, :5].repeat(2, 1), cache, [b, a])  # both rows, together
+    fresh = m.new_cache(1, 96)
+    ref = m.forward(torch.cat([prompt, more[:, :5]], 1), fresh, fresh.alloc())[0, 10:]
+    assert cache.compactions == 1 and torch.equal(got[0], ref) and torch.equal(got[1], ref)
 
 
 def _prompts(tok, n):

@@ -24,21 +24,26 @@ MAX_DECODE_TOKENS = 2048  # tokens per llama_decode call (n_batch); longer feeds
 # with the default of 512 a row's logits then depend on how many tokens share its decode
 # (measured on SmolLM2 Q4_1: up to 1.3 in a logit). Below 64 every pass takes the same
 # attention kernel (on SmolLM2 a row's logits then no longer depend on the other rows or on
-# how its tokens were split into passes: tests/test_ggml_backend.py). Wider passes are split by llama.cpp
+# how its tokens were split into passes: tests/engine/test_ggml_backend.py). Wider passes are split by llama.cpp
 # itself; on this CPU a pass of 63 tokens is compute-bound, so the split costs little.
 MAX_UBATCH_TOKENS = 63
+
+_STRAY_LENGTH = ("(row, length, positions llama.cpp holds) {}: a length changed outside truncate(), "
+                 "alloc(), free() or restore(); llama.cpp's cells can only follow a length through those")
 
 
 class GgmlCache(RowPool):
     """A llama.cpp context as a KV cache with one length per row (models/cache.KVCache's
-    interface; the row bookkeeping is RowPool's). Row r is sequence id r; its valid positions are [0, lengths[r]), and llama.cpp
-    holds exactly those (truncate removes the rest with llama_memory_seq_rm), so a feed that
-    does not continue a row where it ends is refused by llama.cpp's own position check.
+    interface; the row bookkeeping is RowPool's). Row r is sequence id r; its valid positions
+    are [0, lengths[r]), and llama.cpp holds exactly those (`held`, equal to `lengths` between
+    calls).
 
-    As on the native cache, a row's length is the truth: lowering lengths[r] directly (what
-    drafters/draft_model.py's rollback does) rolls the row back; the positions llama.cpp
-    still holds past it (`held`) are removed before the row's next decode or snapshot. A
-    length raised past what llama.cpp holds is refused at the next decode."""
+    The cache owns its decoding: feed() takes a model's flat batch, runs it and advances the
+    rows' lengths. Rollback has one path, _release (truncate, alloc, free, restore and a failed
+    feed all go through it), which removes the cells past a row's new length with
+    llama_memory_seq_rm. A length written directly is not a rollback here: feed() and
+    snapshot() refuse a row whose length differs from what llama.cpp holds, rather than
+    decode it at positions llama.cpp does not agree with."""
 
     def __init__(self, model: "GgmlModel", max_rows: int, max_len: int):
         ll = model._ll
@@ -96,6 +101,43 @@ class GgmlCache(RowPool):
         self._finalizer()
 
     # -- decoding (the model's forward) ------------------------------------------
+    def feed(self, rows: list[int], stop: np.ndarray, tok: np.ndarray, pos: np.ndarray, seq: np.ndarray,
+             want: np.ndarray, out: torch.Tensor, at: np.ndarray | None = None) -> None:
+        """Decode a flat feed and append it to its rows.
+
+        rows [B] the rows fed (each once; a row may feed nothing) and stop [B] each one's
+        length after the feed; tok, pos, seq, want [N] per token: the token, its position, its
+        row (sequence id) and whether its logits are wanted, row after row, each row's
+        positions running on from its length. The wanted tokens' logits, in feed order, are
+        written to out [M, V]: to its rows `at` [n_wanted], or to rows 0, 1, ... where at is
+        None. On any failure every fed row is rolled back to its length before the feed."""
+        lengths, held = self.lengths.numpy(), self.held.numpy()  # [R] views
+        if len(rows) and int(stop.max()) > self.max_len:
+            raise CacheFullError(f"write to position {int(stop.max())} exceeds cache length {self.max_len}")
+        if not np.array_equal(lengths[rows], held[rows]):
+            raise RuntimeError(_STRAY_LENGTH.format(
+                [(r, int(lengths[r]), int(held[r])) for r in rows if lengths[r] != held[r]]))
+        self._sync_threads()
+        V = out.shape[-1]
+        at_t = None if at is None else torch.from_numpy(at)
+        done = placed = 0  # logit rows written; feed tokens in llama.cpp's memory
+        try:
+            for lo, hi in self._spans(len(tok)):
+                n_out = self._decode(tok[lo:hi], pos[lo:hi], seq[lo:hi], want[lo:hi])
+                placed = hi
+                if n_out:
+                    got = self._outputs(n_out, V)  # [n_out,V] a view of llama.cpp's logits
+                    if at_t is None:
+                        out[done:done + n_out] = got
+                    else:
+                        out[at_t[done:done + n_out]] = got
+                    done += n_out
+        except BaseException:
+            np.maximum.at(held, seq[:placed], pos[:placed] + 1)  # what the passes before placed
+            self._release(rows, lengths[rows].tolist())
+            raise
+        lengths[rows] = held[rows] = stop
+
     def _sync_threads(self) -> None:
         """Follow torch's thread count (the project's one thread knob: --threads, the audit's
         pick_threads), so both backends run on the same cores."""
@@ -104,23 +146,27 @@ class GgmlCache(RowPool):
             self._ll.llama_set_n_threads(self.ctx, n, n)
             self._threads = n
 
-    def _decode(self, tok, pos, seq, want) -> int:
-        """One llama_decode over N <= n_batch tokens; -> number of logit rows it produced."""
+    def _decode(self, tok, pos, seq, want, pad_seq: int | None = None) -> int:
+        """One llama_decode of a piece of the feed (N tokens, at most n_batch with the padding);
+        -> number of logit rows it produced. pad_seq: a sequence id given one more, throwaway
+        token (position 0, no logits) in the same pass (GgmlOrderedCache pads one-token passes)."""
         N = len(tok)
         note_first_decode()
         self._tok[:N], self._pos[:N], self._seq[:N] = tok, pos, seq
         self._logits[:N] = want
         n_out = int(np.count_nonzero(want))  # counted before the decode, while caches are warm
-        self._batch.n_tokens = N
+        if pad_seq is not None:
+            self._tok[N] = self._pos[N] = self._logits[N] = 0
+            self._seq[N] = pad_seq
+        self._batch.n_tokens = N + (pad_seq is not None)
         rc = self._ll.llama_decode(self.ctx, self._batch)
-        if rc == 1:
-            raise CacheFullError(f"llama.cpp found no KV slot for {N} tokens "
-                                 f"({self.max_rows} rows x {self.max_len} positions)")
         if rc != 0:
-            # a failed decode can leave part of the batch in llama.cpp's memory: the rows are
-            # rolled back to their lengths (which did not advance) before anything else runs
-            for r in sorted(set(int(s) for s in seq)):
-                self._ll.llama_memory_seq_rm(self.mem, r, int(self.lengths[r]), -1)
+            # llama.cpp can keep a prefix of a failed pass (the micro-batches before the failing
+            # one): held bounds it from above, and feed's rollback removes it
+            np.maximum.at(self.held.numpy(), seq, pos + 1)
+            if rc == 1:
+                raise CacheFullError(f"llama.cpp found no KV slot for {N} tokens "
+                                     f"({self.max_rows} rows x {self.max_len} positions)")
             raise RuntimeError(f"llama_decode failed (return code {rc}) for a batch of {N} tokens")
         return n_out
 
@@ -136,8 +182,8 @@ class GgmlCache(RowPool):
 
     # -- rows (the bookkeeping is models/cache.RowPool's) ---------------------------
     def _release(self, rows, new_lengths) -> None:
-        """llama_memory_seq_rm of every position from the new length on, for the rows that hold
-        any (a failed decode removes what it left behind itself, in _decode)."""
+        """The one rollback: llama_memory_seq_rm of every position from the new length on, for
+        the rows that hold any."""
         held = self.held.numpy()
         for r, n in zip(rows, new_lengths):
             r, n = int(r), int(n)
@@ -147,18 +193,12 @@ class GgmlCache(RowPool):
                 raise RuntimeError(f"llama.cpp could not remove positions >= {n} of row {r}")
             held[r] = n
 
-    def _drop_stale(self, rows: list[int]) -> None:
-        """Remove what llama.cpp holds past each row's length (a length lowered directly)."""
-        lengths, held = self.lengths.numpy(), self.held.numpy()
-        stale = [r for r in rows if lengths[r] < held[r]]
-        if stale:
-            self._release(stale, lengths[stale].tolist())
-
     # -- snapshots (engine/prompt_cache.py) ------------------------------------------
     def snapshot(self, row: int):
         """The row's keys and values as llama.cpp's sequence state (bytes)."""
         ll = self._ll
-        self._drop_stale([row])
+        if self.lengths[row] != self.held[row]:
+            raise RuntimeError(_STRAY_LENGTH.format([(row, int(self.lengths[row]), int(self.held[row]))]))
         size = ll.llama_state_seq_get_size(self.ctx, row)
         buf = (ctypes.c_uint8 * size)()
         if ll.llama_state_seq_get_data(self.ctx, buf, size, row) != size:
@@ -171,9 +211,11 @@ class GgmlCache(RowPool):
         if T > self.max_len:
             raise CacheFullError(f"a snapshot of {T} positions does not fit rows of {self.max_len}")
         ll = self._ll
-        ll.llama_memory_seq_rm(self.mem, row, 0, -1)
+        self._release([row], [0])
+        self.lengths[row] = 0
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if ll.llama_state_seq_set_data(self.ctx, buf, len(data), row) == 0:
-            self.lengths[row] = self.held[row] = 0
+            self.held[row] = T  # a partial restore, bounded by the snapshot
+            self._release([row], [0])
             raise CacheFullError(f"llama.cpp could not restore a snapshot into row {row}")
         self.lengths[row] = self.held[row] = T

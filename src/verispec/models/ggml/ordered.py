@@ -84,7 +84,7 @@ class GgmlOrderedCache(GgmlCache):
             cuts[-2] -= 1  # ... 63, 1 -> ... 62, 2
         return list(zip(cuts[:-1], cuts[1:]))
 
-    def _decode(self, tok, pos, seq, want) -> int:
+    def _decode(self, tok, pos, seq, want, pad_seq=None) -> int:
         N = len(tok)
         # the split-KV path: one token, >= 512 cells (n_kv is the used range padded to 256), and
         # more than one thread (on one, its single part merges to the one-chunk result bitwise)
@@ -93,17 +93,14 @@ class GgmlOrderedCache(GgmlCache):
             self.compact()
         if self._head + N + pad > self.capacity:
             raise CacheFullError(f"no room for {N} tokens in {self.capacity} cells after compaction")
-        if pad:  # a second token in DUMMY: flash attention's split-KV path takes one-token passes only
-            tok, pos = np.append(tok, 0), np.append(pos, 0)
-            seq, want = np.append(seq, self.dummy_seq), np.append(want, False)
-        try:
-            n_out = super()._decode(tok, pos, seq, want)
+        try:  # with a second token in DUMMY: flash attention's split-KV path takes one-token passes only
+            n_out = super()._decode(tok, pos, seq, want, self.dummy_seq if pad else None)
         except BaseException:
             self._dirty = True  # what llama.cpp kept of the pass is unknown: compact before the next
             raise
         cells = self._head + np.arange(N)
-        self._owner[cells] = seq[:N]
-        self._cell[seq[:N], pos[:N]] = cells
+        self._owner[cells] = seq
+        self._cell[seq, pos] = cells
         self._head += N
         if pad:  # the dummy sits in the topmost cell: freeing it leaves nothing free below the head
             self._ll.llama_memory_seq_rm(self.mem, self.dummy_seq, -1, -1)
@@ -189,12 +186,14 @@ class GgmlOrderedCache(GgmlCache):
         if T > self.max_len:
             raise CacheFullError(f"a snapshot of {T} positions does not fit rows of {self.max_len}")
         self._release([row], [0])
+        self.lengths[row] = 0
         if self._dirty or self._head + T > self.capacity:
             self.compact()
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         try:
             self._place_restored(row, buf)
         except (CacheFullError, RuntimeError):
-            self.lengths[row] = 0
+            self.held[row] = T  # a partial restore, bounded by the snapshot; the cache is dirty: plain removal
+            self._release([row], [0])
             raise
         self.lengths[row] = T

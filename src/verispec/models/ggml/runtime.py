@@ -6,7 +6,9 @@ per cache row in a unified KV buffer, so that a ragged batch (every row with its
 positions and its own number of new tokens) is one ``llama_decode``, one graph over the
 weights. The cache keeps the same interface as models/cache.KVCache (alloc, free, truncate,
 lengths, in_use, snapshot, restore): the engine, the drafters and the policy see no
-difference. Rollback is ``llama_memory_seq_rm`` from the row's committed length.
+difference. GgmlModel.forward lays a batch out as one flat feed (token, position, row, whether
+its logits are wanted) and hands it to the cache, which decodes it and advances the rows;
+rollback is the cache's truncate, ``llama_memory_seq_rm`` from the row's new length.
 
 Numerics, by default: not batch-invariant. The CPU kernels a row goes through can depend on
 how many tokens share its decode (on Q4_K weights llama.cpp repacks the matrices and
@@ -29,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cache import CacheFullError, as_int_list
+from ..cache import as_int_list
 from ..config import ModelConfig, UnsupportedModelError
 from .kvcache import GgmlCache
 from .lib import LLAMA_CPP_PYTHON_VERSION, bindings
@@ -193,12 +195,9 @@ class GgmlModel:
             raise ValueError("rows and num_new need one entry per batch row")
         if any(n < 0 or n > T for n in n_l):
             raise ValueError("num_new must lie in [0, T]")
-        cache._drop_stale(rows_l)  # rows whose length was lowered directly (a rollback)
         lengths = cache.lengths.numpy()  # [R] a view: the bookkeeping below is numpy, not torch ops
         start = lengths[rows_l]  # [B]
         stop = start + np.asarray(n_l, dtype=np.int64)  # [B] each row's length after the feed
-        if B and int(stop.max()) > cache.max_len:
-            raise CacheFullError(f"write to position {int(stop.max())} exceeds cache length {cache.max_len}")
         V = self.config.vocab_size
         # the flat feed, row after row: batch index b, time t, token, position, sequence id
         full = all(n == T for n in n_l)
@@ -218,21 +217,9 @@ class GgmlModel:
         dense = all(n > 0 for n in n_l) if last_only else full
         shape = (B, V) if last_only else (B, T, V)
         out = torch.empty(shape, dtype=torch.float32) if dense else torch.zeros(shape, dtype=torch.float32)
-        flat, done = out.view(-1, V), 0
-        cache._sync_threads()
-        for lo, hi in cache._spans(len(b_idx)):
-            n_out = cache._decode(tok[lo:hi], pos[lo:hi], seq[lo:hi], want[lo:hi])
-            if n_out:
-                got = cache._outputs(n_out, V)  # [n_out,V] a view of llama.cpp's logits
-                if dense:
-                    flat[done:done + n_out] = got
-                    done += n_out
-                    continue
-                sel = np.nonzero(want[lo:hi])[0] + lo
-                if last_only:
-                    out[torch.from_numpy(b_idx[sel])] = got
-                else:
-                    out[torch.from_numpy(b_idx[sel]), torch.from_numpy(t_idx[sel])] = got
-        lengths[rows_l] = stop
-        cache.held.numpy()[rows_l] = stop
+        at = None  # where each wanted token's logits go in out's [B*T or B, V] view
+        if not dense:
+            sel = np.flatnonzero(want)
+            at = b_idx[sel] if last_only else b_idx[sel] * T + t_idx[sel]
+        cache.feed(rows_l, stop, tok, pos, seq, want, out.view(-1, V), at)
         return out
