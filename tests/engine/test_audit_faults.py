@@ -248,9 +248,9 @@ def test_typical_lossy_fails_on_the_statistics_alone(models, tmp_path):
 def test_distribution_reports_each_test_and_the_drafts_it_verified(models, tmp_path):
     report = _report(tiny_audit(models), tmp_path)
     f = next(c for c in report["checks"] if c["name"] == "distribution")["figures"]
-    assert {t["test"] for t in f["tests"]} == {"pit", "recovered", "bonus", "calibration", "pit-tail",
-                                               "recovered-tail", "bonus-tail", "probe-calibration"}
-    assert f["correction"] == "Bonferroni" and f["alpha_each"] == pytest.approx(f["alpha"] / 8)
+    assert {t["test"] for t in f["tests"]} == {"pit", "recovered", "bonus", "drafts", "calibration", "pit-tail",
+                                               "recovered-tail", "bonus-tail", "drafts-tail", "probe-calibration"}
+    assert f["correction"] == "Bonferroni" and f["alpha_each"] == pytest.approx(f["alpha"] / 10)
     assert f["verified_drafts"] >= f["min_verified_drafts"] and all(t["n"] > 0 for t in f["tests"])
     probe = next(t for t in f["tests"] if t["test"] == "probe-calibration")
     assert probe["n"] == f["probe"]["verified_drafts"] > 200
