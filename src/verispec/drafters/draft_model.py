@@ -57,9 +57,7 @@ class DraftModelDrafter(Drafter):
 
     def admit(self, rows, tokens):
         """Take the rows, empty: their prefill waits until they draft (prepare())."""
-        for r in rows:
-            self.cache.in_use[r] = True
-            self.cache.lengths[r] = 0
+        self.cache.claim(rows)
 
     def prepare(self, rows, tokens):
         """Prefill the rows whose draft cache is still empty with their sequence but its

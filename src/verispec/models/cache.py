@@ -51,6 +51,14 @@ class RowPool:
         self.lengths[rows] = 0
         return rows
 
+    def claim(self, rows) -> None:
+        """Take these rows, empty, by number (a draft model's cache mirrors the target's rows):
+        alloc's effect on rows the caller chose, through the same release."""
+        rows = as_int_list(rows)
+        self._release(rows, [0] * len(rows))
+        self.in_use[rows] = True
+        self.lengths[rows] = 0
+
     def free(self, rows) -> None:
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1).tolist()
         self._release(rows, [0] * len(rows))
