@@ -29,7 +29,7 @@ MAX_DECODE_TOKENS = 2048  # tokens per llama_decode call (n_batch); longer feeds
 MAX_UBATCH_TOKENS = 63
 
 _STRAY_LENGTH = ("(row, length, positions llama.cpp holds) {}: a length changed outside truncate(), "
-                 "alloc(), free() or restore(); llama.cpp's cells can only follow a length through those")
+                 "alloc(), claim(), free() or restore(); llama.cpp's cells follow a length only through those")
 
 
 class GgmlCache(RowPool):
@@ -39,8 +39,8 @@ class GgmlCache(RowPool):
     calls).
 
     The cache owns its decoding: feed() takes a model's flat batch, runs it and advances the
-    rows' lengths. Rollback has one path, _release (truncate, alloc, free, restore and a failed
-    feed all go through it), which removes the cells past a row's new length with
+    rows' lengths. Rollback has one path, _release (truncate, alloc, claim, free, restore and a
+    failed feed all go through it), which removes the cells past a row's new length with
     llama_memory_seq_rm. A length written directly is not a rollback here: feed() and
     snapshot() refuse a row whose length differs from what llama.cpp holds, rather than
     decode it at positions llama.cpp does not agree with."""
