@@ -1,5 +1,5 @@
 """The audit's mutation suite: run `verispec audit --quick` once per fault of
-audit/faults.py (and per drafter), plus the correct engine on several seeds, and check
+audit/faults/ (and per drafter), plus the correct engine on several seeds, and check
 that every fault fails the audit (naming a check) and the correct engine passes.
 
     python3 benchmarks/mutation_suite.py                        # default drafter (lookup)

@@ -1,4 +1,4 @@
-"""The audit can fail: each fault of audit/faults.py, and the typical (lossy) rule, make a
+"""The audit can fail: each fault of audit/faults/, and the typical (lossy) rule, make a
 whole audit (tiny random models, tests/audit_tiny.py) FAIL with the right check named in
 report.json; the same audit without a fault PASSES. A fault is hooks in the engines under
 audit: no module or class of the package is changed by building or running one."""

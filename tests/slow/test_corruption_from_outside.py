@@ -1,6 +1,6 @@
 """Corruption judged from outside catches a server that truly corrupts its output: `verispec
 serve` on SmolLM2 with prompt lookup and a row-bookkeeping fault from the project's fault
-list (audit/faults.py `row-leak`: a row's pending token leaks into its neighbour's verify
+list (audit/faults/ `row-leak`: a row's pending token leaks into its neighbour's verify
 input every 5th step), audited with only the corruption check against a clean plain
 `verispec serve` as the reference. The leak garbles some outputs at concurrency 8; the
 check must flag them beyond the null (the reference diverging from itself), scored by the

@@ -97,7 +97,7 @@ class AuditConfig:
     # the distribution check is inconclusive (and fails) with fewer verified drafts
     min_verified_drafts: int = 200
     prompt_format: str = "auto"  # auto | chat | raw; auto = chat when the tokenizer has a template
-    inject_fault: str | None = None  # test-only: a name from audit/faults.py
+    inject_fault: str | None = None  # test-only: a name from audit/faults/
     fail_fast: bool = False  # stop after the first failed check (the record lists those not run)
     only: tuple[str, ...] = ()  # run only these checks (and lossy-rule, record); () = all
     # the adaptive policy's cost model: read from (and, when measured, written to) the
@@ -200,7 +200,7 @@ class AuditContext:
 
     def audited_engine(self, drafter, policy, config: EngineConfig, prompt_cache=None) -> Engine:
         """An engine of the system under audit on the audited model: with config.inject_fault
-        it has that fault's hooks (audit/faults.py), and no other engine of the audit does."""
+        it has that fault's hooks (audit/faults/), and no other engine of the audit does."""
         name = self.config.inject_fault
         build = Engine if not name else build_fault(name).engine
         return build(self.model, drafter, policy, config, prompt_cache=prompt_cache)

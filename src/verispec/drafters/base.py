@@ -13,7 +13,7 @@ from ..verify.rules import argmax_last
 
 class DrafterHooks:
     """What a drafter reads of the sequences and reports of its q. These methods are the
-    correct behaviour: a test or the audit's fault suite (audit/faults.py) sets a subclass
+    correct behaviour: a test or the audit's fault suite (audit/faults/) sets a subclass
     that breaks one seam on purpose as Drafter.hooks, on that drafter alone. A drafter
     without hooks skips sequences() and reported_q(), which change nothing."""
 

@@ -2,7 +2,7 @@
 
 StepHooks' methods are the correct behaviour, and the engine binds them once when it is
 built, so a step pays nothing for them. A test or the audit's fault suite
-(audit/faults.py) passes a subclass that breaks one seam on purpose, for that engine
+(audit/faults/) passes a subclass that breaks one seam on purpose, for that engine
 alone: nothing else in the process changes. The drafter's seams are in
 drafters/base.py (DrafterHooks), the native model's RoPE positions in models/llama.py
 (LlamaModel.with_positions).

@@ -9,6 +9,10 @@ positions (models/llama.py: LlamaModel.with_positions). Every other engine in th
 and the model the view shares its weights with, stay correct; no module or class is
 changed. Nothing here runs unless a test, the audit's engines under audit
 (`verispec audit --inject-fault`) or `verispec serve --inject-fault` ask for it.
+
+This module holds the catalogue and the faults of the engine's step and drafters' draws;
+each further class of fault lives in its own module of this package and enters the
+catalogue through `register` (imported at the end, so the catalogue is whole on import).
 """
 
 from __future__ import annotations
@@ -19,12 +23,12 @@ from typing import Callable
 
 import torch
 
-from ..drafters.base import DrafterHooks
-from ..engine import Engine, EngineConfig
-from ..engine.hooks import StepHooks
-from ..models import with_positions
-from ..sampling import keyed_gumbel, logits_to_probs
-from ..verify import rules
+from ...drafters.base import DrafterHooks
+from ...engine import Engine, EngineConfig
+from ...engine.hooks import StepHooks
+from ...models import with_positions
+from ...sampling import keyed_gumbel, logits_to_probs
+from ...verify import rules
 
 FAULTS = {
     "rollback-off-by-one": "KV rollback keeps one token too few after each step",
@@ -72,6 +76,14 @@ EXPECTED_CHECK = {
     "draft-drawn-top-p": "distribution",
     "draft-drawn-sharper": "distribution",
 }
+
+
+def register(name: str, description: str, check: str, parts: Callable[[float | None], dict]) -> None:
+    """Add a fault to the catalogue: what it breaks, the check meant to catch it, and its
+    parameter -> Fault's fields (a fault of another module of this package)."""
+    if name in FAULTS:
+        raise ValueError(f"fault {name!r} is already registered")
+    FAULTS[name], EXPECTED_CHECK[name], _PARTS[name] = description, check, parts
 
 
 def argument(s: str) -> str:
