@@ -159,3 +159,37 @@ def test_stopping_never_sets_aside_an_end_in_the_wrong_place(models):
     assert not _near_tie_flip(Ctx, 0, want, want + [12], tie_margin=1e9)  # ran on past the stop
     assert _near_tie_flip(Ctx, 0, want, [8, 3, 10, 11], tie_margin=1e9)  # a changed token, any margin
     assert not _near_tie_flip(Ctx, 0, want, [8, 3, 10, 11], tie_margin=0.0)  # no margin: never
+
+
+def test_a_fault_that_breaks_plain_batching_fails_the_null_not_widens_the_margin(models):
+    """A backend fault (audit/faults/null.py) that every engine runs, plain references
+    included: the null run diverges beyond the measured noise, which fails equivalence with
+    the prompts named; the margin stays the measured noise, so the speculative divergences
+    the same fault causes are not excused as near-ties."""
+    noisy = PassWidthNoise(models[0])
+    result = _only_equivalence(noisy, models, fault="backend-neighbour-bleed")
+    eq = next(c for c in result.checks if c.name == "equivalence")
+    null = eq.figures["null_run"]
+    assert not eq.passed and null["beyond_noise"] > 0, eq.summary
+    assert "null run: plain decoding at b=8 diverges" in eq.summary
+    assert len(null["beyond_noise_prompts"]) == null["beyond_noise"]
+    assert null["tie_margin"] == eq.figures["tie_margin"] == tie_margin_for(noisy)["value"]
+    assert eq.figures["divergences"] > 0  # the speculative runs' divergences count as such
+
+
+def test_seeded_null_beyond_the_noise_fails(models):
+    noisy = PassWidthNoise(models[0])
+    seeded = _only(noisy, models, ("seeded",), fault="backend-neighbour-bleed")["seeded"]
+    assert not seeded.passed and seeded.figures["null_run"]["beyond_noise"] > 0, seeded.summary
+    assert "null run: seeded plain decoding" in seeded.summary
+
+
+def test_noise_beyond_the_ceiling_is_inconclusive(models):
+    """A batched path so noisy that its measurement cannot tell rounding from a broken batch
+    (here the stand-in moves a gap by ~4.8 logits) makes equivalence inconclusive, which fails."""
+    from verispec.audit.equivalence import NOISE_CEILING
+    noisy = PassWidthNoise(models[0], wobble=5.0)
+    assert tie_margin_for(noisy)["noise_top2_gap"] > NOISE_CEILING
+    eq = next(c for c in _only_equivalence(noisy, models).checks if c.name == "equivalence")
+    assert not eq.passed and eq.figures["inconclusive"] and "INCONCLUSIVE" in eq.summary, eq.summary
+    assert "multi-row cache" in eq.figures["tie_margin_source"]["code_path"]

@@ -12,7 +12,8 @@ length limits inside drafted runs end where plain decoding ends); drafter consis
 corruption and slices, which read the greedy runs too; load; record. A check whose code
 raises (a crash in the engine under audit) fails with the error in its details. With
 `config.inject_fault` the speculative engine (the system under audit) runs inside the
-fault; references and teacher-forced passes never do.
+fault; references and teacher-forced passes never do, except for a fault in the backend
+itself (audit/faults/null.py), which every engine on the model runs.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def run_audit(config: AuditConfig, *, target=None, drafter_factory: DrafterFacto
         from ..models import load_model
         target = load_model(config.target, progress=False, batch_invariant=config.batch_invariant)
     model, tokenizer = target.model, target.tokenizer
+    if config.inject_fault:  # a fault in the backend: every engine of the audit runs on it
+        from .faults import build as build_fault
+        fault = build_fault(config.inject_fault)
+        if fault.backend is not None:
+            model = fault.backend(model)
     if drafter_factory is None:
         drafter_factory, draft_files = drafter_factory_from_spec(config.draft, model, tokenizer)
     suite = prompts if prompts is not None else load_suite(config.suite)

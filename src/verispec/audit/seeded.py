@@ -20,7 +20,7 @@ from ..verify import LOSSY_RULES
 from .checks import CheckResult
 from .context import AuditContext
 from .stats import against_null
-from .equivalence import NULL_ALPHA, compare, near_tie_allowance, reference_logits_at, tie_margin_for
+from .equivalence import NULL_ALPHA, compare, near_tie_allowance, null_findings, reference_logits_at, tie_margin_for
 
 
 def _keyed_margin(ctx: AuditContext, sp: SamplingParams):
@@ -72,8 +72,8 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
     if per_t and not cfg.batch_invariant:
         # a backend whose numerics move with batching: its own null run, seeded plain decoding
         # at the largest audited batch size against seeded plain at batch 1 (as the
-        # equivalence check's null run): near-ties no more frequent than there, and the margin
-        # raised to the largest at which the null diverged (in logits: times T)
+        # equivalence check's null run): near-ties no more frequent than there. The margin
+        # stays the measured noise, and a null divergence beyond it fails (null_findings)
         b_null = max(cfg.greedy_batch_sizes)
         null_reqs = requests()
         if b_null > 1:
@@ -85,10 +85,12 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
         cs = [compare(prompt_ids[i], ref.output_ids, got.output_ids, _keyed_margin(ctx, sampling[i]),
                       noise / sampling[i].temperature) for i, (ref, got) in enumerate(zip(plain, null_reqs))]
         logit_margins = sorted(c.margin * sampling[i].temperature for i, c in enumerate(cs) if c.margin is not None)
-        noise = max([noise, *logit_margins])
+        beyond = [{"id": ctx.prompts[chosen[i]].id, "first_divergence": c.first_divergence,
+                   "margin": None if c.margin is None else c.margin * sampling[i].temperature}
+                  for i, c in enumerate(cs) if c.verdict == "divergence"]
         null = {"batch": b_null, "prompts": n, "differ": sum(not c.exact for c in cs),
-                "margins_in_logits": logit_margins, "tie_margin": noise, "alpha": NULL_ALPHA,
-                "reference": "seeded plain decoding, batch 1"}
+                "margins_in_logits": logit_margins, "beyond_noise": len(beyond), "beyond_noise_prompts": beyond,
+                "tie_margin": noise, "alpha": NULL_ALPHA, "reference": "seeded plain decoding, batch 1"}
     alpha = NULL_ALPHA / len(configs)
 
     def margin_for(sp: SamplingParams) -> float:
@@ -114,10 +116,12 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
                             f"{counts['divergence']} at a clear margin"
                             + ("" if fisher is None or counts["divergence"] else
                                f", against the null run's {null['differ']}/{n} (Fisher p = {fisher:.2g} < {alpha:.2g})"))
+    found, inconclusive = null_findings(tie, null, "seeded plain decoding") if per_t else ([], False)
     drafted = sum(r["drafted"] for r in per_config)
-    passed = not failures and drafted > 0
-    if failures:
-        summary = "seeded speculative output differs from seeded plain output: " + "; ".join(failures)
+    passed = not failures and not found and drafted > 0
+    if failures or found:
+        summary = "; ".join(found + (["seeded speculative output differs from seeded plain output: "
+                                      + "; ".join(failures)] if failures else []))
     elif drafted == 0:
         summary = "INCONCLUSIVE: no draft was verified in any seeded run"
     else:
@@ -135,6 +139,7 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
                "drafts_verified": drafted, "tie_margin": tie["value"], "tie_margin_source": tie,
                "tie_margin_scaling": "divided by each request's temperature" if per_t else None,
                "near_tie_allowance": allowance if null is None else None, "null_run": null,
+               "inconclusive": inconclusive,
                "divergences": sum(r["divergence"] for r in per_config),
                "near_ties": sum(r["near-tie"] for r in per_config),
                "reference": "seeded plain decoding, batch 1", "seconds": round(time.perf_counter() - t0, 1)}

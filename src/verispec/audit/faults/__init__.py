@@ -124,6 +124,10 @@ class Fault:
     drafter: DrafterHooks | None = None  # the engine's drafter
     # start [B], T -> the RoPE positions [B,T] of a pass, for the native models the engine runs
     positions: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    # model -> a view of it with the fault in its forward: a bug in the backend itself, which
+    # every engine on that model runs, plain references included (the audit builds its whole
+    # run on the view: run_audit); None: the backend is correct
+    backend: Callable[[object], object] | None = None
 
     def engine(self, target, drafter=None, policy=None, config: EngineConfig = EngineConfig(),
                **kw) -> Engine:
@@ -131,6 +135,8 @@ class Fault:
         which must be this engine's own, takes the fault's drafter hooks; the target and
         the model a drafter drafts with are replaced by views with the fault's positions
         (the models passed in are not changed)."""
+        if self.backend is not None and getattr(target, "backend_fault", None) != self.name:
+            target = self.backend(target)  # a server's one engine; the audit passes the view in
         if self.positions is not None:
             target = self._model(target)
         if drafter is not None:
@@ -318,3 +324,6 @@ _PARTS: dict[str, Callable[[float | None], dict]] = {
     "draft-drawn-top-p": lambda c: {"drafter": _DrawnNucleus()},
     "draft-drawn-sharper": lambda c: {"drafter": _DrawnSharper()},
 }
+
+
+from . import null  # noqa: E402,F401 - registers its faults
