@@ -69,3 +69,20 @@ def test_tail_test_is_exact_under_the_null_and_sees_a_spike():
     u = rng.random(500)
     u[:25] = 1.0 - rng.random(25) * 1e-3  # 5% of tokens from outside the distribution
     assert tail_test(u).p_value < 1e-4
+
+
+def test_relaxed_power_matches_simulation():
+    """The calibration test's stated power against a relaxed rule min(1, c a) agrees with
+    the share of simulated relaxed samples the test rejects, and draws at a = 0 or 1 carry none."""
+    import numpy as np
+    from verispec.audit.stats import relaxed_power
+    rng = np.random.default_rng(0)
+    a = rng.choice([0.0, 1.0, 0.3, 0.6, 0.8], size=400)
+    for c, alpha in ((1.25, 1e-3), (2.0, 1e-4)):
+        stated = relaxed_power(a, c, alpha)
+        hits = sum(calibration_test(a, rng.random(a.size) < np.minimum(1, c * a)).p_value < alpha
+                   for _ in range(400))
+        assert abs(hits / 400 - stated) < 0.08, (c, stated, hits / 400)
+    assert relaxed_power(np.array([0.0, 1.0] * 50), 2.0, 1e-3) == 0.0
+    assert relaxed_power(np.array([]), 2.0, 1e-3) == 0.0
+    assert relaxed_power(np.full(300, 0.5), 2.0, 1e-3) > 0.999

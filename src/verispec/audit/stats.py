@@ -151,3 +151,21 @@ def against_null(counts: dict, n: int, null: dict | None, alpha: float, allowanc
         return counts["divergence"] == 0 and differ <= allowance, None
     p = fisher_greater(differ, n, null["differ"], null["prompts"])
     return counts["divergence"] == 0 and p >= alpha, p
+
+
+def relaxed_power(accept_prob, c: float, alpha: float) -> float:
+    """The calibration test's power (normal approximation) against a relaxed rule that keeps
+    each draft with probability min(1, c a) instead of its exact a, at level alpha (two-sided),
+    over the verified drafts whose exact acceptance probabilities are accept_prob [n]. A draft
+    kept with a = 0 or a = 1 carries no evidence; one at a = 1/c carries the most."""
+    a = np.asarray(accept_prob, dtype=np.float64)
+    if a.size == 0:
+        return 0.0
+    ac = np.minimum(1.0, c * a)
+    var0, var1 = float((a * (1 - a)).sum()), float((ac * (1 - ac)).sum())
+    shift = float((ac - a).sum())
+    if var0 <= 1e-12:
+        return 1.0 if shift >= 0.5 else 0.0
+    z = float(sps.norm.isf(alpha / 2))
+    sd0, sd1 = var0 ** 0.5, max(var1, 1e-12) ** 0.5
+    return float(sps.norm.cdf((shift - z * sd0) / sd1) + sps.norm.cdf((-shift - z * sd0) / sd1))
