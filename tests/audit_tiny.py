@@ -75,12 +75,14 @@ def tiny_drafter_factory(models, kind: str = "draft-model"):
 
 def tiny_audit(models, *, rule: str = "rejection", fault: str | None = None, seed: int = 0,
                sizes: AuditSizes = TINY_SIZES, batch_sizes=(1, 4, 8), policy: str = "fixed",
-               drafter: str = "draft-model", temperatures=(1.0, 0.4)):
-    """Fixed k by default: the faults live in the speculative path, which must run."""
+               drafter: str = "draft-model", settings=None, **config):
+    """Fixed k by default: the faults live in the speculative path, which must run. settings:
+    the sampled checks' (None: AuditConfig's defaults, as `verispec audit` without flags);
+    config: further AuditConfig fields."""
     target, draft = models
     cfg = AuditConfig(target="tiny-llama", draft=f"tiny-{drafter}", k=3, policy=policy, rule=rule,
-                      batch_sizes=batch_sizes, temperatures=temperatures,
-                      sizes=sizes, seed=seed, inject_fault=fault)
+                      batch_sizes=batch_sizes, sizes=sizes, seed=seed, inject_fault=fault, **config,
+                      **({} if settings is None else {"settings": settings}))
     return run_audit(cfg, target=LoadedModel(target, CharTokenizer(), None),
                      drafter_factory=tiny_drafter_factory(models, drafter), prompts=tiny_suite())
 

@@ -248,9 +248,12 @@ def test_typical_lossy_fails_on_the_statistics_alone(models, tmp_path):
 def test_distribution_reports_each_test_and_the_drafts_it_verified(models, tmp_path):
     report = _report(tiny_audit(models), tmp_path)
     f = next(c for c in report["checks"] if c["name"] == "distribution")["figures"]
-    assert {t["test"] for t in f["tests"]} == {"pit", "recovered", "bonus", "drafts", "calibration", "pit-tail",
-                                               "recovered-tail", "bonus-tail", "drafts-tail", "probe-calibration"}
-    assert f["correction"] == "Bonferroni" and f["alpha_each"] == pytest.approx(f["alpha"] / 10)
+    pooled = {"pit", "recovered", "bonus", "drafts", "calibration", "pit-tail", "recovered-tail", "bonus-tail",
+              "drafts-tail", "probe-calibration"}
+    per_setting = {f"{t} [{s}]" for t in ("pit", "calibration", "probe-calibration") for s in ("plain", "filtered")}
+    assert {t["test"] for t in f["tests"]} == pooled | per_setting | {"outside-support"}
+    # the count of tokens outside the filters' support is no statistical test: not in m
+    assert f["correction"] == "Bonferroni" and f["alpha_each"] == pytest.approx(f["alpha"] / 16)
     assert f["verified_drafts"] >= f["min_verified_drafts"] and all(t["n"] > 0 for t in f["tests"])
     probe = next(t for t in f["tests"] if t["test"] == "probe-calibration")
     assert probe["n"] == f["probe"]["verified_drafts"] > 200
@@ -330,3 +333,30 @@ def test_a_drafter_that_draws_from_another_distribution_fails_the_drafts_own_pit
     report = _report(tiny_audit(models, fault=fault), tmp_path)
     tests = {t["test"]: t for t in next(c for c in report["checks"] if c["name"] == "distribution")["figures"]["tests"]}
     assert not tests["drafts"]["passed"] and tests["drafts"]["p_value"] < 1e-6, tests["drafts"]
+
+
+FILTER_FAULTS = ["verify-filters-before-temperature", "verify-min-p-dropped-at-drafts"]
+
+
+@pytest.mark.parametrize("fault", FILTER_FAULTS)
+def test_a_filter_fault_moves_the_filtered_setting_alone(models, tmp_path, fault):
+    """A verify pass that filters in another place or order than plain decoding emits tokens
+    outside the filtered support, at the filtered setting only: counted there, with the
+    plain setting's own tests passing."""
+    report = _report(tiny_audit(models, fault=fault), tmp_path)
+    f = next(c for c in report["checks"] if c["name"] == "distribution")["figures"]
+    share = {s["label"]: s for s in f["settings"]}
+    assert share["plain"]["outside_support"] == 0 and share["plain"]["failed"] == []
+    assert share["filtered"]["outside_support"] > 10
+    assert not next(t for t in f["tests"] if t["test"] == "outside-support")["passed"]
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "lookup", "layerskip"])
+@pytest.mark.parametrize("fault", FILTER_FAULTS)
+def test_a_filter_fault_passes_an_audit_without_filters(models, tmp_path, fault, drafter):
+    """The audit's settings before it had filtered ones (T = 1 and 0.5, no filter) pass these
+    faults with every drafter: why the defaults include a filtered setting."""
+    from verispec.audit.context import SamplingSetting
+    old = (SamplingSetting(1.0), SamplingSetting(0.5))
+    report = _report(tiny_audit(models, fault=fault, drafter=drafter, settings=old), tmp_path)
+    assert report["verdict"] == "pass", [c["summary"] for c in report["checks"] if not c["passed"]]

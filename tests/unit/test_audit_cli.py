@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from verispec.cli.audit import config_from_args
-from verispec.audit.context import AuditSizes
+from verispec.audit.context import DEFAULT_SETTINGS, AuditSizes
 from verispec.cli import build_parser, main
 
 
@@ -18,7 +18,7 @@ def test_defaults():
     assert cfg.target == "smollm2-135m" and cfg.draft == "lookup" and cfg.k == 8
     assert cfg.rule == "rejection" and cfg.suite == "default" and cfg.temperature == 1.0
     assert cfg.batch_sizes == (1, 4, 16, 32) and cfg.sizes == AuditSizes.full()
-    assert cfg.inject_fault is None and cfg.temperatures == (1.0, 0.5)
+    assert cfg.inject_fault is None and cfg.settings == DEFAULT_SETTINGS and cfg.temperatures == (1.0, 0.7)
     assert not cfg.fail_fast and cfg.only == ()
 
 

@@ -78,6 +78,62 @@ class AuditSizes:
 
 
 @dataclass(frozen=True)
+class SamplingSetting:
+    """One sampling setting the sampled checks audit: a temperature and the filters the
+    engine applies after it (sampling.py: top-k and top-p on the tempered logits, then min-p
+    relative to the top token left), under the label the report names it by (default: its
+    values, as describe() writes them)."""
+
+    temperature: float
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    label: str = ""
+
+    def __post_init__(self):
+        self.params()  # ValueError naming a value the engine refuses
+        if self.temperature == 0:
+            raise ValueError("a sampled check needs temperature > 0, got 0 (greedy: the equivalence check)")
+        if not self.label:
+            object.__setattr__(self, "label", self.describe())
+
+    def params(self, seed: int | None = None, coupled: bool | None = None) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              min_p=self.min_p, seed=seed, coupled=coupled)
+
+    @property
+    def filtered(self) -> bool:
+        return bool(self.top_k) or self.top_p < 1.0 or self.min_p > 0.0
+
+    def describe(self) -> str:
+        """Its values as the report writes them: 'T=0.7, top-k 50, top-p 0.9, min-p 0.05', 'T=1, no filter'."""
+        parts = [f"T={self.temperature:g}"] + ([f"top-k {self.top_k}"] if self.top_k else []) \
+            + ([f"top-p {self.top_p:g}"] if self.top_p < 1.0 else []) \
+            + ([f"min-p {self.min_p:g}"] if self.min_p > 0.0 else [])
+        return ", ".join(parts) if self.filtered else parts[0] + ", no filter"
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "temperature": self.temperature, "top_k": self.top_k,
+                "top_p": self.top_p, "min_p": self.min_p}
+
+
+# Audited when no sampling setting is given: plain sampling, and the filters most deployments
+# use, so that a verify pass that applies one in another place or order than plain decoding
+# does (audit/faults/filters.py) fails the default audit. Min-p 0.1, not 0.05: after top-p 0.9
+# at T = 0.7 SmolLM2's distributions keep little that 0.05 removes (1.0% of the mass on
+# sampled chat text, 2.8% at 0.1). T = 0.7 also shows a verifier that ignores the
+# temperature, which a third setting (the earlier T = 0.5) would only thin the shares for.
+DEFAULT_SETTINGS = (SamplingSetting(1.0, label="plain"),
+                    SamplingSetting(0.7, top_k=50, top_p=0.9, min_p=0.1, label="filtered"))
+
+
+def settings_for(temperatures=(1.0,), top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+                 ) -> tuple[SamplingSetting, ...]:
+    """A deployment's settings: each temperature under the same filters."""
+    return tuple(SamplingSetting(t, top_k, top_p, min_p) for t in dict.fromkeys(temperatures))
+
+
+@dataclass(frozen=True)
 class AuditConfig:
     target: str = "smollm2-135m"  # preset, directory, GGUF file or hub id
     draft: str = "lookup"  # lookup[:N] | layerskip:N | a draft model
@@ -89,11 +145,10 @@ class AuditConfig:
     batch_sizes: tuple[int, ...] = (1, 4, 16, 32)
     sizes: AuditSizes = field(default_factory=AuditSizes.full)
     seed: int = 0
-    # the distribution and seeded checks sample at each of these (requests take them in turn)
-    temperatures: tuple[float, ...] = (1.0, 0.5)
-    top_k: int = 0  # the deployment's sampling settings, applied in the distribution check
-    top_p: float = 1.0
-    min_p: float = 0.0
+    # the sampled checks (distribution, seeded) sample under each of these, requests taking
+    # them in turn: by default plain T = 1 and a common filtered setting (DEFAULT_SETTINGS);
+    # `verispec audit --temperature/--top-k/--top-p/--min-p` audits the deployment's instead
+    settings: tuple[SamplingSetting, ...] = DEFAULT_SETTINGS
     # the distribution check is inconclusive (and fails) with fewer verified drafts
     min_verified_drafts: int = 200
     prompt_format: str = "auto"  # auto | chat | raw; auto = chat when the tokenizer has a template
@@ -113,10 +168,11 @@ class AuditConfig:
             raise ValueError(f"k must be >= 1 (the audit needs drafts to audit), got {self.k}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
-        if not self.temperatures or not all(t > 0 for t in self.temperatures):
-            raise ValueError(f"the distribution check needs temperatures > 0, got {self.temperatures}")
-        for t in self.temperatures:  # ValueError on values the engine refuses
-            SamplingParams(temperature=t, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        if not self.settings or not all(isinstance(s, SamplingSetting) for s in self.settings):
+            raise ValueError(f"the sampled checks need at least one SamplingSetting, got {self.settings!r}")
+        labels = [s.label for s in self.settings]
+        if len(set(labels)) < len(labels):
+            raise ValueError(f"sampling settings need distinct labels (the report names them), got {labels}")
         if self.min_verified_drafts < 0:
             raise ValueError(f"min_verified_drafts must be >= 0, got {self.min_verified_drafts}")
         if self.prompt_format not in ("auto", "chat", "raw"):
@@ -128,14 +184,33 @@ class AuditConfig:
         if unknown:
             raise ValueError(f"unknown checks {sorted(unknown)}; checks: {', '.join(names)}")
 
+    def setting_of(self, i: int) -> SamplingSetting:
+        """The setting of the i-th sampled request: the audited ones in turn."""
+        return self.settings[i % len(self.settings)]
+
+    def sampling_of(self, i: int, seed: int | None = None, coupled: bool | None = None) -> SamplingParams:
+        """The i-th sampled request's SamplingParams: its setting (setting_of), with this seed."""
+        return self.setting_of(i).params(seed, coupled)
+
+    @property
+    def temperatures(self) -> tuple[float, ...]:
+        """Each setting's temperature, in the settings' order."""
+        return tuple(s.temperature for s in self.settings)
+
     @property
     def temperature(self) -> float:
-        """The first audited temperature."""
-        return self.temperatures[0]
+        """The first setting's temperature."""
+        return self.settings[0].temperature
 
     def temperature_of(self, i: int) -> float:
-        """The temperature of the i-th sampled request: the audited ones in turn."""
-        return self.temperatures[i % len(self.temperatures)]
+        """The temperature of the i-th sampled request (its setting's)."""
+        return self.setting_of(i).temperature
+
+    # The first setting's filters, for a reader that applies one top-k / top-p / min-p to
+    # every request; the settings may differ in them, and sampling_of(i) gives request i's own.
+    top_k = property(lambda self: self.settings[0].top_k)
+    top_p = property(lambda self: self.settings[0].top_p)
+    min_p = property(lambda self: self.settings[0].min_p)
 
     @property
     def forced_k(self) -> int:
@@ -252,13 +327,11 @@ class AuditContext:
     def greedy_params(self) -> GenerationParams:
         return GenerationParams(max_new_tokens=self.config.sizes.max_new_tokens, stop_token_ids=self.stops)
 
-    def sampled_params(self, seed: int, max_new: int, temperature: float | None = None) -> GenerationParams:
+    def sampled_params(self, setting: SamplingSetting, seed: int, max_new: int) -> GenerationParams:
         # the seed makes the run reproducible; the rule under audit decides how it is used:
         # keyed noise for `coupled`, a seeded generator (so rejection sampling is what gets
         # tested) for every other rule
-        c = self.config
-        s = SamplingParams(temperature=temperature or c.temperature, top_k=c.top_k, top_p=c.top_p, min_p=c.min_p, seed=seed,
-                           coupled=c.rule == "coupled")
+        s = setting.params(seed, coupled=self.config.rule == "coupled")
         return GenerationParams(max_new_tokens=max_new, sampling=s, ignore_eos=True)
 
     def decode(self, ids: list[int]) -> str:

@@ -1,6 +1,8 @@
-"""The distribution check: sample with the speculative engine at temperature > 0 (under the
-audited top-k / top-p / min-p), teacher-force the target on every output for its exact p
-at every emitted position, and test what each mechanism of the rule promises (stats.py):
+"""The distribution check: sample with the speculative engine under the audited sampling
+settings (AuditConfig.settings: a temperature > 0 and top-k / top-p / min-p each; requests
+take them in turn), teacher-force the target on every output for its exact p under the
+request's own setting at every emitted position, and test what each mechanism of the rule
+promises (stats.py):
 
 * **pit**: every emitted token, randomised PIT over descending p, KS test;
 * **calibration**: at every verified draft d, the emitted token is d with probability
@@ -22,12 +24,19 @@ at every emitted position, and test what each mechanism of the rule promises (st
   relaxed threshold moves it most. The deployed drafter's drafts are mostly kept with
   a near 0 or 1, which carry little evidence; the probe's tokens also join the PIT families.
 
-Half the requests run under the deployed policy, half with drafting forced (a fixed k),
-so a policy that drafts little cannot make the check vacuous. The tests are combined by
-Bonferroni: each runs at ALPHA / m for the m tests with data, so a correct engine fails
-this check in at most ALPHA of audits. A check that verified fewer draft tokens than
-`min_verified_drafts` is *inconclusive*, which fails it: it proved nothing about the
-speculative paths. Requests run to a fixed length (EOS ignored) so the sample size is
+* **outside-support**: the count of emitted tokens that p gives probability 0 under their
+  setting's filters even with their logit raised by the backend's tie margin: impossible
+  for an exact engine, so any one fails (a verify pass that filters in another place or
+  order than plain decoding does emits them: audit/faults/filters.py).
+
+With more than one setting, PER_SETTING's tests also run on each setting's own requests,
+and the report says what each setting sampled and verified. Half the requests run under
+the deployed policy, half with drafting forced (a fixed k), so a policy that drafts little
+cannot make the check vacuous. The tests are combined by Bonferroni: each runs at
+ALPHA / m for the m tests with data (the counts of impossible events aside), so a correct
+engine fails this check in at most ALPHA of audits. A check that verified fewer draft
+tokens than `min_verified_drafts` is *inconclusive*, which fails it: it proved nothing
+about the speculative paths. Requests run to a fixed length (EOS ignored) so the sample size is
 known in advance; the tests stay valid, as p is recomputed for exactly the emitted prefix.
 """
 
@@ -44,7 +53,7 @@ from ..sampling import logits_to_probs
 from .checks import CheckResult
 from .consistency import oracle_for
 from .context import AuditContext
-from .equivalence import prefix_cache, teacher_forced_logits
+from .equivalence import prefix_cache, teacher_forced_logits, tie_margin_for
 from .probe import nucleus_q, probe_drafter
 from .stats import calibration_test, randomized_pit, tail_test, test_uniform
 
@@ -142,19 +151,20 @@ def _calibration_bins(calib: list[tuple[float, int]], n_bins: int = 10) -> list[
 PROBE_K = 2  # drafts per probe step: verified drafts per forward pass peak at k = 2-3
 
 
-def _probe_requests(ctx: AuditContext, first_seed: int, max_new: int) -> list[tuple[float, list[Request]]]:
-    """The calibration probe's requests (audit/probe.py), grouped by nucleus mass: each mass
-    sees every audited temperature. None under a keyed rule (coupled), which reads no q."""
+def _probe_requests(ctx: AuditContext, first_seed: int, max_new: int) -> list[tuple[float, list[tuple[int, Request]]]]:
+    """The calibration probe's requests (audit/probe.py), grouped by nucleus mass, each with
+    the index of its sampling setting: each mass sees every audited setting. None under a
+    keyed rule (coupled), which reads no q."""
     cfg, sizes = ctx.config, ctx.config.sizes
     if sizes.probe_tokens <= 0 or cfg.rule == "coupled":
         return []
     n = math.ceil(sizes.probe_tokens / max_new)
-    nt, masses = len(cfg.temperatures), sizes.probe_masses
-    groups: dict[float, list[Request]] = {m: [] for m in masses}
+    ns, masses = len(cfg.settings), sizes.probe_masses
+    groups: dict[float, list[tuple[int, Request]]] = {m: [] for m in masses}
     for i in range(n):
         ids = ctx.prompt_ids[(i * 7 + 3) % len(ctx.prompt_ids)]  # not the sampled run's order
-        groups[masses[(i // nt) % len(masses)]].append(
-            Request(ids, ctx.sampled_params(first_seed + i, max_new, cfg.temperature_of(i))))
+        groups[masses[(i // ns) % len(masses)]].append(
+            (i % ns, Request(ids, ctx.sampled_params(cfg.setting_of(i), first_seed + i, max_new))))
     return [(m, rs) for m, rs in groups.items() if rs]
 
 
@@ -169,14 +179,124 @@ def _run_probe(ctx: AuditContext, mass: float, reqs: list[Request], batch: int, 
     return time.perf_counter() - t0
 
 
+class _Evidence:
+    """What the tests read, gathered over a set of requests (one setting's, or all of them)."""
+
+    def __init__(self):
+        # PIT values per family: every emitted token, recovered tokens (against the
+        # residual), bonus tokens, and the deployed drafter's draws (under its reported q)
+        self.u: dict[str, list[torch.Tensor]] = {name: [] for name in FAMILIES}
+        self.calib: list[tuple[float, int]] = []  # the deployed drafter's verified drafts (a, kept)
+        self.probe_calib: list[tuple[float, int]] = []
+        self.impossible = 0  # recovered tokens equal to a rejected one-hot draft
+        self.outside = 0  # emitted tokens outside p's support at a clear margin (_outside_support)
+        self.tokens = 0  # emitted tokens examined
+
+    def add(self, other: "_Evidence") -> None:
+        for name in FAMILIES:
+            self.u[name] += other.u[name]
+        self.calib += other.calib
+        self.probe_calib += other.probe_calib
+        self.impossible += other.impossible
+        self.outside += other.outside
+        self.tokens += other.tokens
+
+    def family(self, name: str) -> torch.Tensor:
+        parts = self.u[name]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
+
+
+FAMILIES = ("pit", "recovered", "bonus", "drafts")
+# With more than one setting audited, these tests run again on each setting's own requests:
+# a fault confined to one setting (a filter, a temperature) moves only its tokens, which
+# the pooled tests dilute with the others'. The PIT's KS test sees a distribution moved
+# either way (mass added or taken away), the calibration tests a verify distribution that
+# is not p. Each adds to m: on the Qwen quick audit's drafts (docs/audit-ggml-qwen) these
+# six take the power against relaxed-acceptance:1.2 from 59% to 58% (1.25: 100% still),
+# where every family per setting (m = 22) took it to 35%. A token outside the filtered
+# support needs no split: it is counted (outside-support), with no false alarm to spend.
+PER_SETTING = ("pit", "calibration", "probe-calibration")
+
+
+def _outside_support(logits: torch.Tensor, p: torch.Tensor, out: torch.Tensor, params, margin: float) -> int:
+    """How many emitted tokens out [n] p [n,V] gives probability 0 even with their logit
+    (logits [n,V], the teacher-forced ones p comes from) raised by `margin`, the backend's tie
+    margin: tokens outside the support the request's filters leave, at a margin no numerics
+    explain. An exact engine never emits one."""
+    zero = (p.gather(-1, out[:, None]).squeeze(-1) == 0).nonzero().flatten().tolist()  # sync: seldom any
+    n = 0
+    for j in zero:
+        row = logits[j].float().clone()
+        row[out[j]] += margin
+        n += int(float(logits_to_probs(row[None], params)[0, out[j]]) == 0.0)
+    return n
+
+
+def _evidence(r: Request, logits: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, probe: bool,
+              g: torch.Generator, margin: float) -> _Evidence:
+    """One request's evidence from its teacher-forced logits and p [n_out,V] and the
+    drafter's q [n_out,V] (None: one-hot at each draft); probe: a calibration probe request."""
+    ev = _Evidence()
+    out = torch.tensor(r.output_ids)
+    ev.tokens = len(out)
+    ev.outside = _outside_support(logits, p, out, r.params.sampling, margin)
+    ev.u["pit"].append(randomized_pit(p, out, g))
+    c, rec, bonus, ev.impossible = _mechanisms(r, p, q)
+    (ev.probe_calib if probe else ev.calib).extend(c)
+    if not probe:  # the deployed drafter's own draws (the probe's are the probe's)
+        ev.u["drafts"].append(torch.tensor(_draft_pits(r, g), dtype=torch.float64))
+    if rec:
+        idx = torch.tensor([j for j, _ in rec])
+        ev.u["recovered"].append(randomized_pit(torch.stack([res for _, res in rec]), out[idx], g))  # [n_rec]
+    if bonus:
+        ev.u["bonus"].append(randomized_pit(p[bonus], out[bonus], g))
+    return ev
+
+
+def _tests(ev: _Evidence, setting: str | None, probe_masses: str) -> list[dict]:
+    """The tests over one body of evidence (setting None: every request; else that
+    setting's label, and only the tests of PER_SETTING), each without its alpha yet."""
+    def run(name: str) -> bool:
+        return setting is None or name in PER_SETTING
+
+    tests = []
+    for name in FAMILIES:
+        u = ev.family(name)
+        if u.numel() < MIN_TOKENS_PER_PIT:  # too few to test (and not counted in m)
+            continue
+        if run(name):
+            t = test_uniform(u.numpy())  # sync: for scipy
+            tests.append({"test": name, "kind": "KS, PIT of each draft under the q the verifier read (descending q)"
+                          if name == "drafts" else "KS, PIT over descending p", "statistic": t.ks_statistic,
+                          "n": t.n, "p_value": t.p_value, "histogram": t.histogram})
+        if run(f"{name}-tail"):
+            t = tail_test(u.numpy(), TAIL)
+            tests.append({"test": f"{name}-tail",
+                          "kind": f"binomial, share of PIT above {1 - TAIL:g} (exactly {TAIL:g})",
+                          "statistic": t.count / t.n, "n": t.n, "p_value": t.p_value, "count": t.count})
+    for name, calib, kind in (("calibration", ev.calib, "z, kept vs min(1, p/q)"),
+                              ("probe-calibration", ev.probe_calib,
+                               f"z, kept vs min(1, p/q), q = target nucleus {probe_masses}")):
+        if calib and run(name):
+            c = calibration_test([a for a, _ in calib], [k for _, k in calib])
+            tests.append({"test": name, "kind": kind, "statistic": c.z, "n": c.n, "p_value": c.p_value,
+                          "kept": c.kept, "expected": c.expected, "bins": _calibration_bins(calib)})
+    for t in tests:
+        t["setting"] = setting or "all"
+        if setting is not None:
+            t["test"] = f"{t['test']} [{setting}]"
+    return tests
+
+
 def distribution_check(ctx: AuditContext) -> CheckResult:
     cfg, sizes = ctx.config, ctx.config.sizes
+    settings, ns = cfg.settings, len(cfg.settings)
     max_new = sizes.distribution_max_new
     n_req = math.ceil(sizes.distribution_tokens / max_new)
     # prompt i % n with its own seed: repeated prompts still give independent samples
     prompt_of = [ctx.prompt_ids[i % len(ctx.prompt_ids)] for i in range(n_req)]
-    # the audited temperatures in turn, so each half (deployed policy, forced k) has them all
-    reqs = [Request(ids, ctx.sampled_params(cfg.seed * 1_000_003 + i, max_new, cfg.temperature_of(i)))
+    # the audited settings in turn, so each half (deployed policy, forced k) has them all
+    reqs = [Request(ids, ctx.sampled_params(cfg.setting_of(i), cfg.seed * 1_000_003 + i, max_new))
             for i, ids in enumerate(prompt_of)]
     batch = min(max(cfg.batch_sizes), n_req)
     max_len = max(map(len, ctx.prompt_ids)) + max_new
@@ -185,93 +305,95 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
               (reqs[n_req // 2:], f"fixed k={cfg.forced_k}", FixedK(cfg.forced_k))] if forced \
         else [(reqs, f"fixed k={cfg.k}", None)]
     sample_s = 0.0
-    temps = ", ".join(f"{t:g}" for t in cfg.temperatures)
+    labels = ", ".join(s.label for s in settings)
     for part, label, policy in halves:
         if part:
             sample_s += _sample(ctx, part, min(batch, len(part)), max_len, policy,
-                                f"T={temps}, {label}, b={min(batch, len(part))}")
+                                f"{labels}, {label}, b={min(batch, len(part))}")
     probe = _probe_requests(ctx, cfg.seed * 1_000_003 + n_req, sizes.probe_max_new)
     probe_len = max(map(len, ctx.prompt_ids)) + sizes.probe_max_new
-    probe_s = sum(_run_probe(ctx, m, rs, min(batch, len(rs)), probe_len) for m, rs in probe)
-    # teacher-force the target (outside any fault) for its exact p at every emitted position
+    probe_s = sum(_run_probe(ctx, m, [r for _, r in rs], min(batch, len(rs)), probe_len) for m, rs in probe)
+    # teacher-force the target (outside any fault) for its exact p at every emitted position,
+    # under each request's own sampling settings
     g = torch.Generator().manual_seed(cfg.seed)
     oracle = oracle_for(ctx.drafter_factory(1, 8), ctx.model)  # the drafter's q, recomputed
-    us, us_rec, us_bonus, calib, probe_calib, impossible = [], [], [], [], [], 0
-    us_drafts: list[float] = []
-    todo = [(r, None) for r in reqs] + [(r, m) for m, rs in probe for r in rs]
+    pooled, per = _Evidence(), [_Evidence() for _ in settings]
+    margin = tie_margin_for(ctx.model)["value"]  # numerics may move a token across a filter's edge by this
+    todo = [(i % ns, r, None) for i, r in enumerate(reqs)] + [(s, r, m) for m, rs in probe for s, r in rs]
     # each prompt is prefilled once for all its outputs (the same batch-1 numbers)
     target_prefixes, draft_prefixes = prefix_cache(), prefix_cache()
     with ctx.progress.stage("distribution: teacher forcing", len(todo)) as bar:
-        for r, mass in todo:
+        for s, r, mass in todo:
             P = len(r.prompt_ids)
             logits = teacher_forced_logits(ctx.model, r.tokens[:-1], first=P - 1,
                                            prefixes=target_prefixes)  # [n_out,V]
             p = logits_to_probs(logits, r.params.sampling)  # [n_out,V]
-            out = torch.tensor(r.output_ids)
-            us.append(randomized_pit(p, out, g))
             q = draft_q(oracle, r, p.shape[-1], draft_prefixes) if mass is None else nucleus_q(p, mass)
-            c, rec, bonus, imp = _mechanisms(r, p, q)
-            (calib if mass is None else probe_calib).extend(c)
-            if mass is None:  # the deployed drafter's own draws (the probe's are the probe's)
-                us_drafts.extend(_draft_pits(r, g))
-            impossible += imp
-            if rec:
-                idx = torch.tensor([j for j, _ in rec])
-                us_rec.append(randomized_pit(torch.stack([res for _, res in rec]), out[idx], g))  # [n_rec]
-            if bonus:
-                us_bonus.append(randomized_pit(p[bonus], out[bonus], g))
+            ev = _evidence(r, logits, p, q, mass is not None, g, margin)
+            pooled.add(ev)
+            per[s].add(ev)
             bar.advance()
-    families = {"pit": torch.cat(us)}
-    for name, parts in (("recovered", us_rec), ("bonus", us_bonus)):
-        u = torch.cat(parts) if parts else torch.empty(0)
-        if u.numel() >= MIN_TOKENS_PER_PIT:
-            families[name] = u
-    if len(us_drafts) >= MIN_TOKENS_PER_PIT:
-        families["drafts"] = torch.tensor(us_drafts, dtype=torch.float64)
-    results = {name: test_uniform(u.numpy()) for name, u in families.items()}  # sync: for scipy
-    tails = {name: tail_test(u.numpy(), TAIL) for name, u in families.items()}
-    calib_res = calibration_test([a for a, _ in calib], [k for _, k in calib]) if calib else None
-    probe_res = calibration_test([a for a, _ in probe_calib], [k for _, k in probe_calib]) if probe_calib else None
-    m = len(results) + len(tails) + (calib_res is not None) + (probe_res is not None)
-    alpha_each = ALPHA / m
-    tests = [{"test": name, "kind": "KS, PIT of each draft under the q the verifier read (descending q)"
-              if name == "drafts" else "KS, PIT over descending p", "statistic": t.ks_statistic, "n": t.n,
-              "p_value": t.p_value, "alpha": alpha_each, "passed": t.passed(alpha_each), "histogram": t.histogram}
-             for name, t in results.items()]
-    tests += [{"test": f"{name}-tail", "kind": f"binomial, share of PIT above {1 - TAIL:g} (exactly {TAIL:g})",
-               "statistic": t.count / t.n, "n": t.n, "p_value": t.p_value, "alpha": alpha_each,
-               "passed": t.passed(alpha_each), "count": t.count} for name, t in tails.items()]
-    if calib_res is not None:
-        tests.append({"test": "calibration", "kind": "z, kept vs min(1, p/q)", "statistic": calib_res.z,
-                      "n": calib_res.n, "p_value": calib_res.p_value, "alpha": alpha_each,
-                      "passed": calib_res.passed(alpha_each), "kept": calib_res.kept,
-                      "expected": calib_res.expected, "bins": _calibration_bins(calib)})
-    if probe_res is not None:
-        tests.append({"test": "probe-calibration",
-                      "kind": f"z, kept vs min(1, p/q), q = target nucleus {'/'.join(f'{x:g}' for x, _ in probe)}",
-                      "statistic": probe_res.z, "n": probe_res.n, "p_value": probe_res.p_value,
-                      "alpha": alpha_each, "passed": probe_res.passed(alpha_each), "kept": probe_res.kept,
-                      "expected": probe_res.expected, "bins": _calibration_bins(probe_calib)})
-    if impossible:  # probability 0 under the null: no correction needed, no false alarm
+    masses = "/".join(f"{m:g}" for m, _ in probe)
+    tests = _tests(pooled, None, masses)
+    if ns > 1:
+        tests += [t for st, ev in zip(settings, per) for t in _tests(ev, st.label, masses)]
+    # counts of events of probability 0 under the null: no correction needed, no false alarm
+    # (not counted in m); the first is run whenever it found one, the second always
+    if pooled.impossible:
         tests.append({"test": "recovered-is-draft", "kind": "count, recovered token == rejected draft (q one-hot)",
-                      "statistic": float(impossible), "n": len(us_rec) and sum(len(u) for u in us_rec),
-                      "p_value": 0.0, "alpha": alpha_each, "passed": False})
-    verified = calib_res.n if calib_res is not None else 0
-    probe_reqs = [r for _, rs in probe for r in rs]
+                      "statistic": float(pooled.impossible), "n": int(pooled.family("recovered").numel()),
+                      "setting": "all", "impossible": True})
+    tests.append({"test": "outside-support", "kind": "count, emitted token outside the support of p under its "
+                  f"setting's filters (beyond the tie margin {margin:.3g})", "statistic": float(pooled.outside),
+                  "n": pooled.tokens, "setting": "all", "impossible": True,
+                  "per_setting": {st.label: ev.outside for st, ev in zip(settings, per)}})
+    m = sum(not t.get("impossible") for t in tests)
+    alpha_each = ALPHA / m
+    for t in tests:
+        t["alpha"] = alpha_each
+        if t.get("impossible"):
+            t["p_value"] = 0.0 if t["statistic"] else 1.0
+            t["passed"] = not t["statistic"]
+        else:
+            t["passed"] = t["p_value"] > alpha_each
+    verified = len(pooled.calib)
+    # each setting's share: what it sampled and verified, and whether that carries power
+    share = []
+    for i, (st, ev) in enumerate(zip(settings, per)):
+        rs = reqs[i::ns]
+        drafted_s = sum(r.stats.drafted for r in rs)
+        own = {t["test"].split(" [")[0]: t for t in tests if t["setting"] == st.label}
+        share.append({**st.to_dict(), "values": st.describe(), "requests": len(rs),
+                      "tokens": sum(len(r.output_ids) for r in rs), "verified_drafts": len(ev.calib),
+                      "probe_drafts": len(ev.probe_calib),
+                      "probe_tokens": sum(len(r.output_ids) for _, rs_ in probe for s, r in rs_ if s == i),
+                      "acceptance_rate": sum(r.stats.accepted for r in rs) / drafted_s if drafted_s else None,
+                      "recovered": int(ev.family("recovered").numel()), "bonus": int(ev.family("bonus").numel()),
+                      "outside_support": ev.outside,
+                      "thin": ns > 1 and len(ev.calib) < cfg.min_verified_drafts / ns,
+                      "tests": len(own), "failed": [n for n, t in own.items() if not t["passed"]]})
+    thin = [sh for sh in share if sh["thin"]]
+    probe_reqs = [r for _, rs in probe for _, r in rs]
     probe_fig = None
     if probe_reqs:
         pd_ = sum(r.stats.drafted for r in probe_reqs)
         probe_fig = {"masses": [m for m, _ in probe], "k": PROBE_K, "requests": len(probe_reqs),
-                     "tokens": sum(len(r.output_ids) for r in probe_reqs), "verified_drafts": len(probe_calib),
+                     "tokens": sum(len(r.output_ids) for r in probe_reqs), "verified_drafts": len(pooled.probe_calib),
                      "acceptance_rate": sum(r.stats.accepted for r in probe_reqs) / pd_ if pd_ else None,
                      "seconds": probe_s}
     drafted = sum(r.stats.drafted for r in reqs)
     accepted = sum(r.stats.accepted for r in reqs)
     tokens = sum(len(r.output_ids) for r in reqs)
-    failed = [t["test"] for t in tests if not t["passed"]]
+    failed = [t["test"] + (f" ({t['statistic']:g} of {t['n']} tokens)" if t.get("impossible") else "")
+              for t in tests if not t["passed"]]
     inconclusive = not failed and verified < cfg.min_verified_drafts
     passed = not failed and not inconclusive
-    pit = results["pit"]
+    pit = test_uniform(pooled.family("pit").numpy())
+    calib = next((t for t in tests if t["test"] == "calibration"), None)
+    probe_t = next((t for t in tests if t["test"] == "probe-calibration"), None)
+    thin_txt = ("; thin: " + ", ".join(f"{sh['label']} ({sh['verified_drafts']} verified drafts, under "
+                                       f"{cfg.min_verified_drafts / ns:g}): its own tests carry little power"
+                                       for sh in thin)) if thin else ""
     if failed:
         summary = (f"{', '.join(failed)} failed at alpha {alpha_each:.2g} each (Bonferroni over {m}): "
                    "the sampler is biased")
@@ -281,13 +403,17 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     else:
         summary = (f"{m} tests pass at family-wise alpha {ALPHA:g}: PIT KS p = {pit.p_value:.3g} over "
                    f"{pit.n} tokens, {verified} verified drafts calibrated"
-                   + (f" (z = {calib_res.z:+.2f})" if calib_res is not None else "")
-                   + (f", {probe_res.n} probe drafts (z = {probe_res.z:+.2f})" if probe_res is not None else "")
-                   + f", T={temps}")
-    figures = {"temperature": cfg.temperature, "temperatures": list(cfg.temperatures), "top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p,
+                   + (f" (z = {calib['statistic']:+.2f})" if calib is not None else "")
+                   + (f", {probe_t['n']} probe drafts (z = {probe_t['statistic']:+.2f})" if probe_t is not None else "")
+                   + "; settings " + "; ".join(
+                       sh["label"] + ("" if sh["label"] == sh["values"] else f" ({sh['values']})")
+                       + f": {sh['tokens']} tokens, {sh['verified_drafts']} verified drafts" for sh in share)
+                   + thin_txt)
+    figures = {"temperature": cfg.temperature, "temperatures": list(cfg.temperatures), "settings": share,
                "rule": cfg.rule, "alpha": ALPHA, "alpha_each": alpha_each, "correction": "Bonferroni",
                **pit.to_dict(), "tests": tests, "verified_drafts": verified,
                "min_verified_drafts": cfg.min_verified_drafts, "inconclusive": inconclusive,
+               "thin_settings": [sh["label"] for sh in thin],
                "drafting_forced": forced, "requests": n_req, "batch": batch, "max_new_tokens": max_new,
                "eos_ignored": True, "drafted": drafted, "probe": probe_fig,
                "acceptance_rate": accepted / drafted if drafted else None,
@@ -295,6 +421,6 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
                "sampling_tokens_per_s": tokens / sample_s if sample_s else None}
     # every verified draft's exact acceptance probability: what benchmarks/audit_power.py
     # replays to measure this check's power against relaxed acceptance rules
-    details = {"calibration_a": [round(a, 6) for a, _ in calib],
-               "probe_a": [round(a, 6) for a, _ in probe_calib]}
+    details = {"calibration_a": [round(a, 6) for a, _ in pooled.calib],
+               "probe_a": [round(a, 6) for a, _ in pooled.probe_calib]}
     return CheckResult("distribution", passed, summary, figures, details)

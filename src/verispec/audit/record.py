@@ -63,6 +63,7 @@ def build_record(ctx: AuditContext, target_files, draft_files, started: str) -> 
         "seed": cfg.seed,
         "temperature": cfg.temperature,
         "temperatures": list(cfg.temperatures),
+        "sampling_settings": [s.to_dict() for s in cfg.settings],
         "suite": {"spec": cfg.suite, "prompts_audited": len(ctx.prompts), "prompts_in_suite": len(ctx.suite),
                   "sha256_of_audited_prompts": _suite_digest(ctx)},
         "prompt_format": "chat template" if ctx.chat else "raw text",
@@ -95,6 +96,9 @@ def retest_triggers(rec: dict) -> list[dict]:
          f"{rec['packages']['transformers']} / {rec['packages']['tokenizers']}"),
         ("numpy / scipy version (statistics)", f"{rec['packages']['numpy']} / {rec['packages']['scipy']}"),
         ("batch sizes in production beyond those audited", rec["engine"]["batch_sizes"]),
+        ("sampling settings in production beyond those audited (temperature, top-k, top-p, min-p)",
+         "; ".join(f"{s['label']}: T={s['temperature']:g}, top-k {s['top_k']}, top-p {s['top_p']:g}, "
+                   f"min-p {s['min_p']:g}" for s in rec["sampling_settings"])),
         ("context length beyond the audited maximum", rec["engine"]["max_len_greedy"]),
         ("prompt format / chat template", rec["prompt_format"]),
         ("machine (CPU, thread count: kernels differ)",

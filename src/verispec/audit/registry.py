@@ -39,18 +39,35 @@ def _equivalence_sections(c: CheckResult) -> list[Section]:
 
 
 # -- distribution ----------------------------------------------------------------------------
+def _settings_txt(f: dict) -> str:
+    """The audited sampling settings by label ("plain, filtered"), or the temperatures of a
+    report written before settings had labels."""
+    return ", ".join(s["label"] for s in f["settings"]) if f.get("settings") else f"T={_temps(f)}"
+
+
 def _distribution_headline(c: CheckResult) -> list[tuple[str, str]]:
     f = c.figures
     return [("Distribution (PIT KS)", f"p = {_f(f['p_value'], '.3g')}, D = {_f(f['ks_statistic'], '.4f')}, "
-                                      f"n = {f['n']} tokens at T={_temps(f)}")]
+                                      f"n = {f['n']} tokens, settings {_settings_txt(f)}")]
 
 
 def _distribution_sections(c: CheckResult) -> list[Section]:
     f = c.figures
-    out = [("Distribution (randomised PIT, KS test)", ["temperature", "tokens", "KS D", "p-value", "alpha",
+    out = [("Distribution (randomised PIT, KS test)", ["settings", "tokens", "KS D", "p-value", "alpha",
                                                        "acceptance", "tokens/pass", "passed"],
-            [[_temps(f), f["n"], _f(f["ks_statistic"], ".4f"), _f(f["p_value"], ".3g"), f["alpha"],
+            [[_settings_txt(f), f["n"], _f(f["ks_statistic"], ".4f"), _f(f["p_value"], ".3g"), f["alpha"],
               _pct(f["acceptance_rate"]), _f(f["mean_accepted_length"]), c.passed]])]
+    if f.get("settings"):
+        # what each setting sampled and verified: a setting with a thin share carries little
+        # power of its own, which the note says
+        out.append(("Distribution: sampling settings (requests take them in turn; the probe's tokens "
+                    "and drafts counted apart)",
+                    ["setting", "values", "requests", "tokens", "verified drafts", "acceptance", "probe tokens",
+                     "probe drafts", "outside support", "own tests failed", "note"],
+                    [[s["label"], s["values"], s["requests"], s["tokens"], s["verified_drafts"],
+                      _pct(s["acceptance_rate"]), s["probe_tokens"], s["probe_drafts"], s["outside_support"],
+                      ", ".join(s["failed"]) or "-",
+                      "thin: its own tests carry little power" if s["thin"] else "-"] for s in f["settings"]]))
     if f.get("tests"):
         pr = f.get("probe")
         probe_txt = (f"; calibration probe: {pr['verified_drafts']} drafts of the target drafting for itself "

@@ -78,12 +78,17 @@ def add_audit_parser(sub) -> None:
     a.add_argument("--quick", action="store_true",
                    help="2 prompts per slice, fewer samples: about 3 minutes on 2 cores")
     a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--temperature", type=_temperatures, default=(1.0, 0.5),
-                   help="comma-separated temperatures of the distribution and seeded checks "
-                        "(default 1,0.5; requests take them in turn)")
-    a.add_argument("--top-k", type=int, default=0, help="the deployment's top-k in the distribution check (0 = off)")
-    a.add_argument("--top-p", type=float, default=1.0, help="the deployment's top-p (1 = off)")
-    a.add_argument("--min-p", type=float, default=0.0, help="the deployment's min-p (0 = off)")
+    from ..audit.context import DEFAULT_SETTINGS
+    defaults = "; ".join(f"{s.label}: {s.describe()}" for s in DEFAULT_SETTINGS)
+    a.add_argument("--temperature", type=_temperatures, default=None,
+                   help="comma-separated temperatures of the deployment. Without --temperature, --top-k, "
+                        f"--top-p and --min-p the sampled checks (distribution, seeded) audit {defaults}; "
+                        "with any of them they audit the deployment's settings instead: each temperature "
+                        "(default 1) under the filters given (the others off). Requests take the settings "
+                        "in turn")
+    a.add_argument("--top-k", type=int, default=None, help="the deployment's top-k (0 = off; see --temperature)")
+    a.add_argument("--top-p", type=float, default=None, help="the deployment's top-p (1 = off; see --temperature)")
+    a.add_argument("--min-p", type=float, default=None, help="the deployment's min-p (0 = off; see --temperature)")
     a.add_argument("--min-verified-drafts", type=int, default=200,
                    help="the distribution check is inconclusive, and fails, with fewer verified draft "
                         "tokens (default 200; 0 accepts a check that exercised no speculation)")
@@ -107,6 +112,15 @@ def add_audit_parser(sub) -> None:
     a.set_defaults(func=cmd_audit)
 
 
+def _settings(args):
+    """The deployment's sampling settings when any of their flags is given, else the defaults."""
+    from ..audit.context import DEFAULT_SETTINGS, settings_for
+    given = {name: v for name in ("top_k", "top_p", "min_p") if (v := getattr(args, name)) is not None}
+    if args.temperature is None and not given:
+        return DEFAULT_SETTINGS
+    return settings_for(args.temperature or (1.0,), **given)  # ValueError naming a bad value
+
+
 def config_from_args(args):
     from ..audit.context import AuditConfig, AuditSizes
     from ..policy import resolve_k
@@ -115,8 +129,7 @@ def config_from_args(args):
                        batch_invariant=args.batch_invariant, rule=args.verify, suite=args.suite,
                        batch_sizes=args.batch_sizes or DEFAULT_BATCH_SIZES[mode],
                        sizes=AuditSizes.quick() if args.quick else AuditSizes.full(),
-                       seed=args.seed, temperatures=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       min_p=args.min_p, min_verified_drafts=args.min_verified_drafts,
+                       seed=args.seed, settings=_settings(args), min_verified_drafts=args.min_verified_drafts,
                        prompt_format=args.prompt_format, inject_fault=args.inject_fault,
                        fail_fast=args.fail_fast, only=args.only, cost_cache=not args.measure_costs)
 

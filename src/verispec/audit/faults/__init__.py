@@ -29,8 +29,10 @@ from ...engine.hooks import StepHooks
 from ...models import with_positions
 from ...sampling import keyed_gumbel, logits_to_probs
 from ...verify import rules
+from .catalogue import EXPECTED_CHECK, FAULTS, register  # noqa: F401 - the catalogue, re-exported
+from .catalogue import PARTS as _PARTS
 
-FAULTS = {
+FAULTS.update({
     "rollback-off-by-one": "KV rollback keeps one token too few after each step",
     "positions-not-realigned": "positions of every row continue from the batch's longest row",
     "residual-not-normalised": "recovered tokens drawn from the unnormalised residual by inverse CDF",
@@ -54,10 +56,10 @@ FAULTS = {
                          "while it reports q itself: a filter applied on one side only",
     "draft-drawn-sharper": "a drafter with q draws its drafts from q squared (renormalised: half the "
                            "temperature) while it reports q",
-}
+})
 
 # the audit check that is meant to catch each fault (others may fail too)
-EXPECTED_CHECK = {
+EXPECTED_CHECK.update({
     "rollback-off-by-one": "equivalence",
     "positions-not-realigned": "equivalence",
     "residual-not-normalised": "distribution",  # only visible when sampling (temperature > 0)
@@ -75,15 +77,7 @@ EXPECTED_CHECK = {
     # under the reported q (prompt lookup draws nothing: nothing to break)
     "draft-drawn-top-p": "distribution",
     "draft-drawn-sharper": "distribution",
-}
-
-
-def register(name: str, description: str, check: str, parts: Callable[[float | None], dict]) -> None:
-    """Add a fault to the catalogue: what it breaks, the check meant to catch it, and its
-    parameter -> Fault's fields (a fault of another module of this package)."""
-    if name in FAULTS:
-        raise ValueError(f"fault {name!r} is already registered")
-    FAULTS[name], EXPECTED_CHECK[name], _PARTS[name] = description, check, parts
+})
 
 
 def argument(s: str) -> str:
@@ -306,7 +300,7 @@ _SAMPLE_BY_INVERSE_CDF = {"rejection": partial(rules.rejection, sample=_inverse_
                           "typical-lossy": partial(rules.typical_lossy, sample=_inverse_cdf)}
 
 # fault -> (its parameter -> Fault's fields)
-_PARTS: dict[str, Callable[[float | None], dict]] = {
+_PARTS.update({
     "rollback-off-by-one": lambda c: {"step": _RollbackOffByOne()},
     "positions-not-realigned": lambda c: {"positions": _realigned_to_longest},
     "residual-not-normalised": lambda c: {"step": _Rules(_SAMPLE_BY_INVERSE_CDF)},
@@ -323,7 +317,8 @@ _PARTS: dict[str, Callable[[float | None], dict]] = {
     "draft-q-untempered": lambda c: {"drafter": _RawQ(), "step": _NoQReadAsP()},
     "draft-drawn-top-p": lambda c: {"drafter": _DrawnNucleus()},
     "draft-drawn-sharper": lambda c: {"drafter": _DrawnSharper()},
-}
+})
 
 
 from . import null  # noqa: E402,F401 - registers its faults
+from . import filters  # noqa: E402,F401 - registers its faults

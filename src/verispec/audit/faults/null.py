@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import register
+from .catalogue import register
 
 
 class BackendView:
