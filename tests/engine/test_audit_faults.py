@@ -248,12 +248,14 @@ def test_typical_lossy_fails_on_the_statistics_alone(models, tmp_path):
 def test_distribution_reports_each_test_and_the_drafts_it_verified(models, tmp_path):
     report = _report(tiny_audit(models), tmp_path)
     f = next(c for c in report["checks"] if c["name"] == "distribution")["figures"]
+    # each family apart on the deployed drafter's samples and the probe's (attribution)
     pooled = {"pit", "recovered", "bonus", "drafts", "calibration", "pit-tail", "recovered-tail", "bonus-tail",
-              "drafts-tail", "probe-calibration"}
+              "drafts-tail", "probe-calibration", "probe-pit", "probe-pit-tail", "probe-recovered",
+              "probe-recovered-tail", "probe-bonus", "probe-bonus-tail"}
     per_setting = {f"{t} [{s}]" for t in ("pit", "calibration", "probe-calibration") for s in ("plain", "filtered")}
     assert {t["test"] for t in f["tests"]} == pooled | per_setting | {"outside-support"}
     # the count of tokens outside the filters' support is no statistical test: not in m
-    assert f["correction"] == "Bonferroni" and f["alpha_each"] == pytest.approx(f["alpha"] / 16)
+    assert f["correction"] == "Bonferroni" and f["alpha_each"] == pytest.approx(f["alpha"] / 22)
     assert f["verified_drafts"] >= f["min_verified_drafts"] and all(t["n"] > 0 for t in f["tests"])
     probe = next(t for t in f["tests"] if t["test"] == "probe-calibration")
     assert probe["n"] == f["probe"]["verified_drafts"] > 200

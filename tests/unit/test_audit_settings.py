@@ -125,7 +125,9 @@ def test_a_tiny_audit_reports_each_settings_share_and_tests(models):
     assert sum(s["requests"] for s in share) == f["requests"]
     assert sum(s["verified_drafts"] for s in share) == f["verified_drafts"]
     assert sum(s["probe_drafts"] for s in share) == f["probe"]["verified_drafts"]
-    assert sum(s["tokens"] + s["probe_tokens"] for s in share) == f["n"]  # the PIT's tokens
+    assert sum(s["tokens"] for s in share) == f["n"]  # the deployed drafter's PIT
+    probe_pit = next(t for t in f["tests"] if t["test"] == "probe-pit")
+    assert sum(s["probe_tokens"] for s in share) == probe_pit["n"]  # the probe's, tested apart
     assert all(s["verified_drafts"] > 200 and s["tokens"] > 1000 and not s["thin"] for s in share)
     assert f["thin_settings"] == [] and all(s["outside_support"] == 0 and s["failed"] == [] for s in share)
     names = [t["test"] for t in f["tests"]]
@@ -133,9 +135,9 @@ def test_a_tiny_audit_reports_each_settings_share_and_tests(models):
         assert {f"pit [{label}]", f"calibration [{label}]", f"probe-calibration [{label}]"} <= set(names)
     # every test with data in one Bonferroni family; the count of impossible tokens outside it
     m = sum(not t.get("impossible") for t in f["tests"])
-    assert m == 16 and f["alpha_each"] == pytest.approx(ALPHA / m)
+    assert m == 22 and f["alpha_each"] == pytest.approx(ALPHA / m)
     support = next(t for t in f["tests"] if t["test"] == "outside-support")
-    assert support["passed"] and support["statistic"] == 0 and support["n"] == f["n"]
+    assert support["passed"] and support["statistic"] == 0 and support["n"] == f["n"] + probe_pit["n"]
     assert "plain (T=1, no filter): 1500 tokens" in check["summary"]
 
 

@@ -55,7 +55,7 @@ from .consistency import oracle_for
 from .context import AuditContext
 from .equivalence import prefix_cache, teacher_forced_logits, tie_margin_for
 from .probe import nucleus_q, probe_drafter
-from .stats import calibration_test, randomized_pit, tail_test, test_uniform
+from .stats import calibration_test, randomized_pit, relaxed_power, tail_test, test_uniform
 
 ALPHA = 1e-3  # family-wise: false alarms of the correct engine in at most 1 audit in 1,000
 TAIL = 0.01  # the PIT tail tests: share of u above 1 - TAIL
@@ -288,6 +288,70 @@ def _tests(ev: _Evidence, setting: str | None, probe_masses: str) -> list[dict]:
     return tests
 
 
+SOURCES = ("deployed", "probe")
+RELAXED_C = (1.25, 2.0)  # the relaxed thresholds min(1, c p/q) the check states its power against
+
+
+def code_paths(ctx: AuditContext, oracle) -> dict[str, dict[str, str]]:
+    """Which code produced each source's samples: {source: {"name": short, "path": long}}."""
+    drafter = ctx.drafter_factory(1, 8)
+    module = type(drafter).__module__
+    kind = "prompt lookup, no q" if oracle is None or oracle.kind != "model" else "drafts from a model's q"
+    probe_name = "the calibration probe (draft-model path"
+    probe_name += ", which this deployment does not run)" if drafter.draft_model is None else ")"
+    return {"deployed": {"name": f"the deployed drafter {ctx.config.draft!r} ({module})",
+                         "path": f"{module} ({kind}), then the engine's verify pass (rule {ctx.config.rule})"},
+            "probe": {"name": probe_name,
+                      "path": "audit/probe.py: the target drafting for itself from a nucleus of its own p, through "
+                              "verispec.drafters.draft_model and the same verify pass"}}
+
+
+def attribute(tests: list[dict], by_source: dict, settings, masses: str, alpha: float, paths: dict) -> None:
+    """Give every test the code paths its samples came from (`samples_from`: source -> n)
+    and, for each source, the same test on that source's samples alone (`by_source`: n, p;
+    informational, at the family's alpha): where a failed test's deviation lies."""
+    alone: dict[str, dict[str, dict]] = {}
+    for src, (ev, per) in by_source.items():
+        found = _tests(ev, None, masses)
+        if src == "probe":  # as the check names the probe's own families
+            found = [{**t, "test": t["test"] if t["test"].startswith("probe-") else f"probe-{t['test']}"}
+                     for t in found]
+        if len(settings) > 1:
+            found += [t for st, e in zip(settings, per) for t in _tests(e, st.label, masses)]
+        alone[src] = {t["test"]: t for t in found}
+        counts = {"outside-support": ev.outside, "recovered-is-draft": ev.impossible}
+        for name, n in counts.items():
+            alone[src][name] = {"n": ev.tokens, "statistic": float(n), "p_value": 0.0 if n else 1.0}
+    for t in tests:
+        t["samples_from"] = {src: alone[src][t["test"]]["n"] for src in SOURCES if t["test"] in alone[src]
+                             and alone[src][t["test"]]["n"]}
+        t["by_source"] = {src: {"n": a["n"], "p_value": a["p_value"], "statistic": a["statistic"],
+                                "fails_alone": a["p_value"] <= alpha if not t.get("impossible") else bool(a["statistic"])}
+                          for src in SOURCES if (a := alone[src].get(t["test"])) is not None and a["n"]}
+
+
+def blame(tests: list[dict], paths: dict) -> str:
+    """The failed tests grouped by the code path whose samples fail them alone (or, where
+    no source fails alone, by the pooled samples only), for the summary."""
+    groups: dict[str, list[str]] = {}
+    for t in tests:
+        if t["passed"]:
+            continue
+        alone = [src for src, b in t.get("by_source", {}).items() if b["fails_alone"]]
+        key = " and ".join(paths[src]["name"] for src in alone) if alone else \
+            "no single code path alone (the samples pooled)"
+        groups.setdefault(key, []).append(t["test"])
+    return "failing in samples from " + "; ".join(f"{k}: {', '.join(v)}" for k, v in groups.items())
+
+
+def _power_txt(power: dict) -> str:
+    """The calibration tests' power against a relaxed threshold, by source."""
+    def pc(src):
+        return "/".join(f"{power[src][str(c)]:.0%}" for c in RELAXED_C)
+    return (f"power against relaxed c = {'/'.join(f'{c:g}' for c in RELAXED_C)}: deployed drafter alone "
+            f"{pc('deployed')}, probe alone {pc('probe')}, together {pc('both')}")
+
+
 def distribution_check(ctx: AuditContext) -> CheckResult:
     cfg, sizes = ctx.config, ctx.config.sizes
     settings, ns = cfg.settings, len(cfg.settings)
@@ -318,6 +382,9 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     g = torch.Generator().manual_seed(cfg.seed)
     oracle = oracle_for(ctx.drafter_factory(1, 8), ctx.model)  # the drafter's q, recomputed
     pooled, per = _Evidence(), [_Evidence() for _ in settings]
+    # the same evidence by the code path that produced it: the deployed drafter's requests,
+    # and the calibration probe's (attribution: which path a failed test's deviation is in)
+    by_source = {src: (_Evidence(), [_Evidence() for _ in settings]) for src in SOURCES}
     margin = tie_margin_for(ctx.model)["value"]  # numerics may move a token across a filter's edge by this
     todo = [(i % ns, r, None) for i, r in enumerate(reqs)] + [(s, r, m) for m, rs in probe for s, r in rs]
     # each prompt is prefilled once for all its outputs (the same batch-1 numbers)
@@ -332,9 +399,18 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
             ev = _evidence(r, logits, p, q, mass is not None, g, margin)
             pooled.add(ev)
             per[s].add(ev)
+            src_all, src_per = by_source["probe" if mass is not None else "deployed"]
+            src_all.add(ev)
+            src_per[s].add(ev)
             bar.advance()
     masses = "/".join(f"{m:g}" for m, _ in probe)
-    tests = _tests(pooled, None, masses)
+    # the families run apart on each code path's samples: the probe's few hundred tokens,
+    # pooled with the deployed drafter's thousands, would be diluted (a fault the probe alone
+    # exercises moved its own PIT to p ~ 1e-7 while the pooled one passed), and a failed
+    # test then names one path. The per-setting tests pool both, with the split reported.
+    tests = _tests(by_source["deployed"][0], None, masses)
+    tests += [{**t, "test": t["test"] if t["test"].startswith("probe-") else f"probe-{t['test']}"}
+              for t in _tests(by_source["probe"][0], None, masses)]
     if ns > 1:
         tests += [t for st, ev in zip(settings, per) for t in _tests(ev, st.label, masses)]
     # counts of events of probability 0 under the null: no correction needed, no false alarm
@@ -356,6 +432,11 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
             t["passed"] = not t["statistic"]
         else:
             t["passed"] = t["p_value"] > alpha_each
+    paths = code_paths(ctx, oracle)
+    attribute(tests, by_source, settings, masses, alpha_each, paths)
+    power = {src: {str(c): relaxed_power(a, c, alpha_each) for c in RELAXED_C}
+             for src, a in (("deployed", [a for a, _ in pooled.calib]), ("probe", [a for a, _ in pooled.probe_calib]),
+                            ("both", [a for a, _ in pooled.calib + pooled.probe_calib]))}
     verified = len(pooled.calib)
     # each setting's share: what it sampled and verified, and whether that carries power
     share = []
@@ -388,7 +469,7 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
               for t in tests if not t["passed"]]
     inconclusive = not failed and verified < cfg.min_verified_drafts
     passed = not failed and not inconclusive
-    pit = test_uniform(pooled.family("pit").numpy())
+    pit = test_uniform(by_source["deployed"][0].family("pit").numpy())  # the headline: the deployed drafter's
     calib = next((t for t in tests if t["test"] == "calibration"), None)
     probe_t = next((t for t in tests if t["test"] == "probe-calibration"), None)
     thin_txt = ("; thin: " + ", ".join(f"{sh['label']} ({sh['verified_drafts']} verified drafts, under "
@@ -396,7 +477,7 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
                                        for sh in thin)) if thin else ""
     if failed:
         summary = (f"{', '.join(failed)} failed at alpha {alpha_each:.2g} each (Bonferroni over {m}): "
-                   "the sampler is biased")
+                   "the sampler is biased; " + blame(tests, paths))
     elif inconclusive:
         summary = (f"INCONCLUSIVE: only {verified} verified draft tokens (< {cfg.min_verified_drafts} "
                    "needed); the speculative paths were hardly exercised")
@@ -408,12 +489,13 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
                    + "; settings " + "; ".join(
                        sh["label"] + ("" if sh["label"] == sh["values"] else f" ({sh['values']})")
                        + f": {sh['tokens']} tokens, {sh['verified_drafts']} verified drafts" for sh in share)
-                   + thin_txt)
+                   + thin_txt + "; " + _power_txt(power))
     figures = {"temperature": cfg.temperature, "temperatures": list(cfg.temperatures), "settings": share,
                "rule": cfg.rule, "alpha": ALPHA, "alpha_each": alpha_each, "correction": "Bonferroni",
                **pit.to_dict(), "tests": tests, "verified_drafts": verified,
                "min_verified_drafts": cfg.min_verified_drafts, "inconclusive": inconclusive,
-               "thin_settings": [sh["label"] for sh in thin],
+               "thin_settings": [sh["label"] for sh in thin], "code_paths": paths,
+               "power_vs_relaxed": power,
                "drafting_forced": forced, "requests": n_req, "batch": batch, "max_new_tokens": max_new,
                "eos_ignored": True, "drafted": drafted, "probe": probe_fig,
                "acceptance_rate": accepted / drafted if drafted else None,

@@ -75,10 +75,27 @@ def _distribution_sections(c: CheckResult) -> list[Section]:
                      f"acceptance {_pct(pr['acceptance_rate'])}") if pr else ""
         out.append((f"Distribution: one test per mechanism ({f['correction']}, alpha {f['alpha']:g} in all; "
                     f"{f['verified_drafts']} verified drafts, at least {f['min_verified_drafts']} needed{probe_txt})",
-                    ["test", "kind", "n", "statistic", "p-value", "alpha", "passed"],
+                    ["test", "kind", "n", "statistic", "p-value", "alpha", "passed", "samples from (n; p alone)"],
                     [[t["test"], t["kind"], t["n"], _f(t["statistic"], ".3g"), _f(t["p_value"], ".3g"),
-                      _f(t["alpha"], ".2g"), t["passed"]] for t in f["tests"]]))
+                      _f(t["alpha"], ".2g"), t["passed"], _sources_txt(t)] for t in f["tests"]]))
+    if f.get("code_paths"):
+        out.append(("Distribution: the code paths that produced the samples",
+                    ["source", "code path", "power vs relaxed c = " + ", ".join(f.get("power_vs_relaxed", {})
+                                                                            .get("deployed", {}))],
+                    [[p["name"], p["path"], ", ".join(f"{v:.0%}" for v in f.get("power_vs_relaxed", {})
+                                                      .get(src, {}).values()) or "-"]
+                     for src, p in f["code_paths"].items()]))
     return out
+
+
+def _sources_txt(t: dict) -> str:
+    """A test's samples by source, with the p of the same test on each source alone (a
+    source whose samples fail alone is marked)."""
+    parts = []
+    for src, b in t.get("by_source", {}).items():
+        mark = " FAILS ALONE" if b["fails_alone"] and not t["passed"] else ""
+        parts.append(f"{'deployed drafter' if src == 'deployed' else 'probe'} {b['n']}; {_f(b['p_value'], '.2g')}{mark}")
+    return " / ".join(parts) or "-"
 
 
 # -- seeded ----------------------------------------------------------------------------------
