@@ -8,6 +8,7 @@ import torch
 from tests.tiny import native_from_hf, tiny_hf
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.engine import Engine, EngineConfig, GenerationParams, Request
+from verispec.audit import churn
 from verispec.audit.faults import EXPECTED_CHECK, FAULTS, build
 from verispec.policy import FixedK
 
@@ -33,9 +34,20 @@ def _engine(target, draft, fault=None):
                 EngineConfig(max_batch=6, max_len=70))
 
 
+# row churn, as the audit's runs have it (audit/churn.py): mixed lengths and staggered
+# arrivals, so rows are freed and taken again after sitting free (faults of row churn, and
+# a backend that reorders rows, show only then)
+LENGTHS = churn.mixed_lengths(6, 24)
+PLAN = churn.schedule(LENGTHS, 6, seed=0)
+
+
+def _requests(prompts):
+    return [Request(prompts[i], GenerationParams(max_new_tokens=LENGTHS[i])) for i in PLAN.order]
+
+
 def _run(target, draft, prompts, fault=None):
-    reqs = [Request(p, GenerationParams(max_new_tokens=24)) for p in prompts]
-    _engine(target, draft, fault).run(reqs)
+    reqs = _requests(prompts)
+    _engine(target, draft, fault).run(reqs, arrivals=[PLAN.arrivals[i] for i in PLAN.order])
     return reqs
 
 
@@ -60,14 +72,17 @@ def test_fault_stays_in_its_engine(setup, fault):
     target, draft, prompts = setup
     ref = [r.output_ids for r in _run(target, draft, prompts)]
     engines = {f: _engine(target, draft, f) for f in (None, fault)}
-    reqs = {f: [Request(p, GenerationParams(max_new_tokens=24)) for p in prompts] for f in engines}
-    for f, eng in engines.items():
-        for r in reqs[f]:
-            eng.add(r)
-    while any(eng.has_work for eng in engines.values()):
-        for eng in engines.values():
+    reqs = {f: _requests(prompts) for f in engines}
+    arrivals = [PLAN.arrivals[i] for i in PLAN.order]
+    step = 0
+    while step <= max(arrivals) or any(eng.has_work for eng in engines.values()):
+        for f, eng in engines.items():
+            for r, a in zip(reqs[f], arrivals):
+                if a == step:
+                    eng.add(r)
             if eng.has_work:
                 eng.step()
+        step += 1
     assert [r.output_ids for r in reqs[None]] == ref
     assert [r.output_ids for r in reqs[fault]] != ref
 
@@ -75,7 +90,7 @@ def test_fault_stays_in_its_engine(setup, fault):
 def test_every_fault_builds_its_hooks():
     for name in FAULTS:
         f = build(name)
-        assert f.name == name and (f.step, f.drafter, f.positions) != (None, None, None)
+        assert f.name == name and (f.step, f.drafter, f.positions, f.backend) != (None, None, None, None)
     assert build("relaxed-acceptance:1.25").name == "relaxed-acceptance:1.25"
 
 

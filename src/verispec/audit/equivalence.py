@@ -6,12 +6,13 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..engine import PromptCache, Request
+from . import churn
 from .checks import CheckResult
 from .stats import against_null
 
@@ -240,12 +241,14 @@ def null_run(ctx: AuditContext, runs: GreedyRuns, margin_fn_for, tie: dict) -> d
     t0 = time.perf_counter()
     b, n = max(ctx.config.greedy_batch_sizes), len(ctx.prompt_ids)
     params = ctx.greedy_params()
-    reqs = [Request(ids, params) for ids in ctx.prompt_ids]
+    lengths = churn.mixed_lengths(n, params.max_new_tokens)  # the reference's own lengths
+    reqs = [Request(ids, replace(params, max_new_tokens=m)) for ids, m in zip(ctx.prompt_ids, lengths)]
+    rows = None  # the null run's row churn, as the speculative runs': it shares their bookkeeping
     if b > 1:  # plain decoding alone at batch 1 is the reference itself
         max_len = max(map(len, ctx.prompt_ids)) + params.max_new_tokens
         with ctx.progress.stage(f"equivalence: null run, plain b={b}", n) as bar:
-            ctx.engine(min(b, n), max_len, speculative=False, rule="rejection").run(
-                reqs, on_finish=lambda r: bar.advance())
+            rows = churn.run_churned(ctx.engine(min(b, n), max_len, speculative=False, rule="rejection"), reqs,
+                              f"{ctx.config.seed}/null/{b}", on_finish=lambda r: bar.advance())
     got = [r.output_ids for r in reqs] if b > 1 else [r.output_ids for r in runs.reference]
     cs = [compare(ctx.prompt_ids[i], ref.output_ids, g, margin_fn_for(i), tie["value"])
           for i, (ref, g) in enumerate(zip(runs.reference, got))]
@@ -254,7 +257,7 @@ def null_run(ctx: AuditContext, runs: GreedyRuns, margin_fn_for, tie: dict) -> d
               for i, c in enumerate(cs) if c.verdict == "divergence"]
     return {"batch": b, "prompts": n, "differ": sum(not c.exact for c in cs), "margins": margins,
             "beyond_noise": len(beyond), "beyond_noise_prompts": beyond,
-            "tie_margin": tie["value"], "alpha": NULL_ALPHA,
+            "tie_margin": tie["value"], "alpha": NULL_ALPHA, "churn": rows,
             "reference": "plain decoding, batch 1, greedy", "seconds": round(time.perf_counter() - t0, 1)}
 
 

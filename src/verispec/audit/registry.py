@@ -11,10 +11,45 @@ seeds, stops and drafter, so they run offline only.
 from __future__ import annotations
 
 from ..verify import LOSSY_RULES
-from . import consistency, corruption, distribution, equivalence, load, plots, record, seeded, speed, stopping
+from . import churn, consistency, corruption, distribution, equivalence, load, plots, record, seeded, speed, stopping
 from .checks import ENDPOINT, ENGINE, Check, CheckResult, Section, register
 from .endpoint import checks as outside
 from .fmt import f as _f, pct as _pct, temps as _temps
+
+
+# -- row churn of the runs under audit (audit/churn.py) ----------------------------------------
+def _with_churn(result: CheckResult, runs: list[dict]) -> CheckResult:
+    """An offline check's result with the row churn of the runs it compared: per run in
+    details["churn"], and in the summary and figures the runs that reached no row reuse or
+    no gap (a fault in row bookkeeping could not have shown there)."""
+    missing = churn.shortfalls(runs)
+    result.details = {**(result.details or {}), "churn": runs}
+    result.figures["churn_not_reached"] = missing
+    if missing:
+        result.summary += "; row churn not reached at " + "; ".join(missing)
+    return result
+
+
+def _churn_section(title: str, c: CheckResult) -> list[Section]:
+    runs = (c.details or {}).get("churn")
+    if not runs:  # endpoint mode: the server's rows are its own
+        return []
+    return [(title, ["batch", "policy", "requests", "steps", "rows reused", "of them after sitting free",
+                     "gapped steps", "mixed-length steps", "not reached"],
+             [[r["batch"], r.get("policy") or "-", r["requests"], r["steps"], r["reused_rows"],
+               r["reused_after_idle"], r["gapped_steps"], r["mixed_length_steps"], churn.note(r) or "-"]
+              for r in runs])]
+
+
+def _equivalence_engine(a) -> CheckResult:
+    runs = a.runs()
+    return _with_churn(equivalence.equivalence_check(a.ctx, runs), runs.churn)
+
+
+def _seeded_engine(a) -> CheckResult:
+    result = seeded.seeded_check(a.ctx)
+    per = (result.details or {}).get("per_config")
+    return _with_churn(result, [r["churn"] for r in per]) if per else result
 
 
 # -- equivalence -----------------------------------------------------------------------------
@@ -29,6 +64,7 @@ def _equivalence_sections(c: CheckResult) -> list[Section]:
             [[r["batch"], r.get("policy", "-"), r["rows_decoded_together"], r["prompts"],
               _pct(r["exact_match_rate"]), r["identical"], r["near-tie"], r["divergence"],
               r.get("drafted", "-"), r["passed"]] for r in c.details["per_batch"]])]
+    out += _churn_section("Row churn of the greedy speculative runs (batch 1: one prompt at a time)", c)
     diff = [r for r in c.details["prompts"] if r["verdict"] != "identical"]
     if diff:
         out.append(("Equivalence: prompts that differ", ["batch", "prompt", "slice", "first divergence",
@@ -103,7 +139,7 @@ def _seeded_headline(c: CheckResult) -> list[tuple[str, str]]:
     f = c.figures
     if not f.get("applicable"):
         return []
-    return [("Same seed, same bytes", f"{f['prompts']} seeded prompts at T={_temps(f)}: {f['divergences']} "
+    return [("Same seed, same bytes", f"{f['prompts']} seeded prompts, settings {_settings_txt(f)}: {f['divergences']} "
                                       f"divergences, {f['near_ties']} near-ties, {f['drafts_verified']} drafts verified")]
 
 
@@ -113,7 +149,8 @@ def _seeded_sections(c: CheckResult) -> list[Section]:
     return [("Seeded speculative vs seeded plain output", ["batch", "policy", "prompts", "identical", "near-tie",
                                                            "divergence", "drafts verified", "passed"],
              [[r["batch"], r["policy"], r["prompts"], r["identical"], r["near-tie"], r["divergence"],
-               r["drafted"], r["passed"]] for r in c.details["per_config"]])]
+               r["drafted"], r["passed"]] for r in c.details["per_config"]])] + \
+        _churn_section("Row churn of the seeded speculative runs", c)
 
 
 # -- stopping --------------------------------------------------------------------------------
@@ -188,7 +225,7 @@ def _lossy_rule(config) -> CheckResult:
 
 register(Check("lossy-rule", engine=lambda a: _lossy_rule(a.ctx.config),
                endpoint=outside.lossy_rule_check, always=True))
-register(Check("equivalence", engine=lambda a: equivalence.equivalence_check(a.ctx, a.runs()),
+register(Check("equivalence", engine=_equivalence_engine,
                endpoint=outside.equivalence_check, greedy=(ENGINE, ENDPOINT), headline=_equivalence_headline,
                sections=_equivalence_sections, drafts_verified=lambda c: c.figures.get("drafts_verified"),
                plot=("equivalence", "Exact match vs the plain reference, per batch size", plots.equivalence)))
@@ -196,7 +233,7 @@ register(Check("distribution", engine=lambda a: distribution.distribution_check(
                endpoint=outside.distribution_check, headline=_distribution_headline,
                sections=_distribution_sections, drafts_verified=lambda c: c.figures.get("verified_drafts"),
                plot=("pit", "Randomised PIT histogram (uniform under an exact sampler)", plots.pit)))
-register(Check("seeded", engine=lambda a: seeded.seeded_check(a.ctx), headline=_seeded_headline,
+register(Check("seeded", engine=_seeded_engine, headline=_seeded_headline,
                sections=_seeded_sections, drafts_verified=lambda c: c.figures.get("drafts_verified")))
 register(Check("stopping", engine=lambda a: stopping.stopping_check(a.ctx, a.runs()), greedy=(ENGINE,),
                drafts_verified=_stopping_drafts))

@@ -6,7 +6,8 @@
 
 Checks, in report order: lossy rule (no statistics needed); equivalence, after the greedy
 runs (plain reference at batch 1 interleaved prompt by prompt with speculative batch 1,
-then speculative at every other batch size, and with drafting forced); distribution;
+then speculative at every other batch size, and with drafting forced, under row churn:
+audit/churn.py; each prompt at its own length in every run); distribution;
 seeded (seeded speculative output equals seeded plain output); stopping (stops and
 length limits inside drafted runs end where plain decoding ends); drafter consistency,
 corruption and slices, which read the greedy runs too; load; record. A check whose code
@@ -21,12 +22,12 @@ from __future__ import annotations
 import datetime
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..engine import GenerationParams, Request
 from ..policy import FixedK
-from . import record
+from . import churn, record
 from .checks import ENGINE, Check, CheckResult, checks_for, failed_check, verdict
 from .context import AuditConfig, AuditContext, DrafterFactory, GreedyRuns, encode, select_prompts
 from .progress import NullProgress
@@ -126,11 +127,11 @@ class EngineAudit:
     started: str
     results: list[CheckResult] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-    greedy: GreedyRuns | None = None
+    greedy: ChurnedRuns | None = None
     greedy_error: str | None = None
     _record: dict | None = None
 
-    def runs(self) -> GreedyRuns:
+    def runs(self) -> ChurnedRuns:
         if self.greedy is None:
             try:
                 self.greedy = greedy_runs(self.ctx)
@@ -163,10 +164,25 @@ class EngineAudit:
 
 
 # -- greedy runs and equivalence -------------------------------------------------------------
-def greedy_runs(ctx: AuditContext) -> GreedyRuns:
+@dataclass
+class ChurnedRuns(GreedyRuns):
+    """The greedy runs and the row churn each speculative run reached (audit/churn.py): one
+    dict per run (batch, policy, requests, steps, rows reused, rows reused after sitting
+    free, gapped and mixed-length steps), in batch order, the forced run last."""
+
+    churn: list[dict] = field(default_factory=list)
+
+
+def greedy_runs(ctx: AuditContext) -> ChurnedRuns:
+    """Every greedy run, each prompt at its own length (churn.mixed_lengths: the reference
+    and every speculative run take the same). Batch 1 alternates plain and speculative
+    prompt by prompt (the slices time them); every larger batch size, and the forced run,
+    decode under churn (churn.run_churned: staggered arrivals, rows freed and taken again)."""
     t0 = time.perf_counter()
-    params = ctx.greedy_params()
-    max_len = max(map(len, ctx.prompt_ids)) + params.max_new_tokens
+    base = ctx.greedy_params()
+    lengths = churn.mixed_lengths(len(ctx.prompt_ids), base.max_new_tokens)
+    params = [replace(base, max_new_tokens=m) for m in lengths]
+    max_len = max(map(len, ctx.prompt_ids)) + base.max_new_tokens
     n = len(ctx.prompt_ids)
     plain = ctx.engine(1, max_len, speculative=False, rule="rejection")
     spec1 = ctx.engine(1, max_len)
@@ -175,29 +191,35 @@ def greedy_runs(ctx: AuditContext) -> GreedyRuns:
     plain.run([Request(ctx.prompt_ids[0][:8], warm)])
     spec1.run([Request(ctx.prompt_ids[0][:8], warm)])
     reference, spec = [], {1: []}
+    policy = ctx.config.policy
+    before = churn.counted(spec1)
     with ctx.progress.stage("greedy: plain vs speculative, b=1", 2 * n) as bar:
         # interleaved prompt by prompt: both see the same machine load (slices compare them)
-        for ids in ctx.prompt_ids:
-            reference.append(plain.run([Request(ids, params)])[0])
+        for ids, p in zip(ctx.prompt_ids, params):
+            reference.append(plain.run([Request(ids, p)])[0])
             bar.advance()
-            spec[1].append(spec1.run([Request(ids, params)])[0])
+            spec[1].append(spec1.run([Request(ids, p)])[0])
             bar.advance()
+    churned = [{**churn.since(spec1, before, policy=policy), "requests": n, "arrival_span": None}]
     for b in ctx.config.greedy_batch_sizes:
         if b == 1:
             continue
-        reqs = [Request(ids, params) for ids in ctx.prompt_ids]
+        reqs = [Request(ids, p) for ids, p in zip(ctx.prompt_ids, params)]
         with ctx.progress.stage(f"greedy: speculative, b={b}", n) as bar:
-            ctx.engine(min(b, n), max_len).run(reqs, on_finish=lambda r: bar.advance())
+            churned.append(churn.run_churned(ctx.engine(min(b, n), max_len), reqs, f"{ctx.config.seed}/greedy/{b}",
+                                             on_finish=lambda r: bar.advance(), policy=policy))
         spec[b] = reqs
     forced = None
     if ctx.config.policy != "fixed":  # the deployed policy may draft little: force drafting too
         b = max(ctx.config.greedy_batch_sizes)
-        reqs = [Request(ids, params) for ids in ctx.prompt_ids]
+        reqs = [Request(ids, p) for ids, p in zip(ctx.prompt_ids, params)]
         k = ctx.config.forced_k
         with ctx.progress.stage(f"greedy: speculative, fixed k={k}, b={b}", n) as bar:
-            ctx.engine(min(b, n), max_len, policy=FixedK(k)).run(reqs, on_finish=lambda r: bar.advance())
+            churned.append(churn.run_churned(ctx.engine(min(b, n), max_len, policy=FixedK(k)), reqs,
+                                             f"{ctx.config.seed}/greedy-forced/{b}",
+                                             on_finish=lambda r: bar.advance(), policy=f"fixed k={k}"))
         forced = (b, reqs)
-    return GreedyRuns(reference, spec, time.perf_counter() - t0, forced)
+    return ChurnedRuns(reference, spec, time.perf_counter() - t0, forced, churned)
 
 
 def _samples(ctx: AuditContext, runs: GreedyRuns) -> list[dict]:

@@ -18,6 +18,7 @@ from ..policy import FixedK
 from ..sampling import SamplingParams, keyed_gumbel, logits_to_probs
 from ..verify import LOSSY_RULES
 from .checks import CheckResult
+from .churn import mixed_lengths, run_churned
 from .context import AuditContext
 from .stats import against_null
 from .equivalence import NULL_ALPHA, compare, near_tie_allowance, null_findings, reference_logits_at, tie_margin_for
@@ -48,17 +49,20 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
     chosen = order[:cfg.sizes.seeded_prompts] if cfg.sizes.seeded_prompts else order
     prompt_ids = [ctx.prompt_ids[i] for i in chosen]
     n = len(prompt_ids)
-    sampling = [SamplingParams(temperature=cfg.temperature_of(i), top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
-                               seed=cfg.seed * 7_919 + 104_729 * i) for i in range(n)]
+    # the audited sampling settings in turn (filters included: keyed noise over a filtered p
+    # must pick the same token in both decoders)
+    sampling = [cfg.sampling_of(i, cfg.seed * 7_919 + 104_729 * i) for i in range(n)]
+
+    lengths = mixed_lengths(n, max_new)  # each prompt's own, in the plain, null and speculative runs alike
 
     def requests():
-        return [Request(ids, GenerationParams(max_new_tokens=max_new, sampling=sp, stop_token_ids=ctx.stops))
-                for ids, sp in zip(prompt_ids, sampling)]
+        return [Request(ids, GenerationParams(max_new_tokens=m, sampling=sp, stop_token_ids=ctx.stops))
+                for ids, sp, m in zip(prompt_ids, sampling, lengths)]
 
     max_len = max(map(len, prompt_ids)) + max_new
     plain = requests()
-    temps = ", ".join(f"{t:g}" for t in cfg.temperatures)
-    with ctx.progress.stage(f"seeded: plain, T={temps}, b=1", n) as bar:
+    temps = ", ".join(st.label for st in cfg.settings)
+    with ctx.progress.stage(f"seeded: plain, {temps}, b=1", n) as bar:
         ctx.engine(1, max_len, speculative=False, rule="rejection").run(plain, on_finish=lambda r: bar.advance())
     configs = [(b, None, cfg.policy) for b in cfg.greedy_batch_sizes]
     if cfg.policy != "fixed":
@@ -75,11 +79,12 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
         # equivalence check's null run): near-ties no more frequent than there. The margin
         # stays the measured noise, and a null divergence beyond it fails (null_findings)
         b_null = max(cfg.greedy_batch_sizes)
-        null_reqs = requests()
+        null_reqs, null_churn = requests(), None
         if b_null > 1:
             with ctx.progress.stage(f"seeded: null run, plain b={b_null}", n) as bar:
-                ctx.engine(min(b_null, n), max_len, speculative=False, rule="rejection").run(
-                    null_reqs, on_finish=lambda r: bar.advance())
+                null_churn = run_churned(ctx.engine(min(b_null, n), max_len, speculative=False, rule="rejection"),
+                                         null_reqs, f"{cfg.seed}/seeded-null/{b_null}",
+                                         on_finish=lambda r: bar.advance())
         else:
             null_reqs = plain
         cs = [compare(prompt_ids[i], ref.output_ids, got.output_ids, _keyed_margin(ctx, sampling[i]),
@@ -90,7 +95,8 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
                   for i, c in enumerate(cs) if c.verdict == "divergence"]
         null = {"batch": b_null, "prompts": n, "differ": sum(not c.exact for c in cs),
                 "margins_in_logits": logit_margins, "beyond_noise": len(beyond), "beyond_noise_prompts": beyond,
-                "tie_margin": noise, "alpha": NULL_ALPHA, "reference": "seeded plain decoding, batch 1"}
+                "tie_margin": noise, "alpha": NULL_ALPHA, "churn": null_churn,
+                "reference": "seeded plain decoding, batch 1"}
     alpha = NULL_ALPHA / len(configs)
 
     def margin_for(sp: SamplingParams) -> float:
@@ -98,7 +104,8 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
     for b, policy, label in configs:
         reqs = requests()
         with ctx.progress.stage(f"seeded: speculative, {label}, b={b}", n) as bar:
-            ctx.engine(min(b, n), max_len, policy=policy).run(reqs, on_finish=lambda r: bar.advance())
+            churn = run_churned(ctx.engine(min(b, n), max_len, policy=policy), reqs, f"{cfg.seed}/seeded/{label}/{b}",
+                                on_finish=lambda r: bar.advance(), policy=label)
         counts = {"identical": 0, "near-tie": 0, "divergence": 0}
         for i, (ref, got) in enumerate(zip(plain, reqs)):
             c = compare(prompt_ids[i], ref.output_ids, got.output_ids, _keyed_margin(ctx, sampling[i]),
@@ -109,7 +116,7 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
         ok, fisher = against_null(counts, n, null, alpha, allowance)  # a noisy backend: against its null
         drafted = sum(r.stats.drafted for r in reqs)
         per_config.append({"batch": b, "policy": label, "prompts": n, **counts, "drafted": drafted,
-                           "accepted": sum(r.stats.accepted for r in reqs), "passed": ok,
+                           "accepted": sum(r.stats.accepted for r in reqs), "passed": ok, "churn": churn,
                            **({} if fisher is None else {"fisher_p_vs_null": fisher, "alpha": alpha})})
         if not ok:
             failures.append(f"b={b} ({label}): {n - counts['identical']} of {n} differ, "
@@ -131,10 +138,12 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
             head = f"seeded output equal to seeded plain decoding but for near-ties ({differ} of {n})"
         else:
             head = "seeded output identical to seeded plain decoding"
-        summary = (f"{head} for {n} prompts at " + ", ".join(where) + f" (T={temps}, {drafted} drafts verified)"
+        summary = (f"{head} for {n} prompts at " + ", ".join(where) + f" (settings {temps}, {drafted} drafts verified)"
                    + ("" if null is None else
                       f"; near-ties as often as the null run's (plain b={null['batch']}: {null['differ']}/{n} differ)"))
     figures = {"applicable": True, "temperature": cfg.temperature, "temperatures": list(cfg.temperatures),
+               "settings": [{**st.to_dict(), "values": st.describe(), "prompts": len(range(i, n, len(cfg.settings)))}
+                            for i, st in enumerate(cfg.settings)],
                "prompts": n, "max_new_tokens": max_new,
                "drafts_verified": drafted, "tie_margin": tie["value"], "tie_margin_source": tie,
                "tie_margin_scaling": "divided by each request's temperature" if per_t else None,

@@ -15,12 +15,23 @@ class DrafterHooks:
     """What a drafter reads of the sequences and reports of its q. These methods are the
     correct behaviour: a test or the audit's fault suite (audit/faults/) sets a subclass
     that breaks one seam on purpose as Drafter.hooks, on that drafter alone. A drafter
-    without hooks skips sequences() and reported_q(), which change nothing."""
+    without hooks skips sequences(), held(), released() and reported_q(), which change
+    nothing."""
 
     def sequences(self, tokens: list[list[int]]) -> list[list[int]]:
         """The sequences propose() drafts from, by a drafter that reads them whole every
         step (prompt lookup, layer-skip)."""
         return tokens
+
+    def held(self, rows: list[int], tokens: list[list[int]]) -> list[list[int]]:
+        """The sequences propose() drafts from as the drafter's per-row state holds them:
+        tokens[i], the sequence of the request now on rows[i], and nothing of the requests
+        that had the row before it (released() voids what they left)."""
+        return tokens
+
+    def released(self, rows: list[int]) -> None:
+        """The rows' requests left the batch (Drafter.release): what the drafter holds for
+        them is void."""
 
     def unseen(self, seq: list[int], cached: int) -> list[int]:
         """Tokens of seq that a drafter with its own cache (a draft model) has not fed yet,

@@ -69,6 +69,8 @@ class DraftModelDrafter(Drafter):
             prefill(self.model, self.cache, [r for r, _ in fresh], [t[:-1] for _, t in fresh], self.prompt_cache)
 
     def propose(self, rows, tokens, k, sampling, generators, halt=None):
+        if self.hooks is not None:
+            tokens = self.hooks.held(rows, tokens)
         B, K = len(rows), max(k, default=0)
         out = torch.zeros(B, K, dtype=torch.long)  # [B,K]
         # only the rejection-style rules read q: greedy rows draft the argmax (q one-hot,
@@ -109,3 +111,5 @@ class DraftModelDrafter(Drafter):
 
     def release(self, rows):
         self.cache.free(rows)
+        if self.hooks is not None:
+            self.hooks.released(rows)

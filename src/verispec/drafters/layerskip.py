@@ -46,7 +46,7 @@ class LayerSkipDrafter(Drafter):
 
     def propose(self, rows, tokens, k, sampling, generators, halt=None):
         if self.hooks is not None:
-            tokens = self.hooks.sequences(tokens)
+            tokens = self.hooks.held(rows, self.hooks.sequences(tokens))
         B, K = len(rows), max(k, default=0)
         V = self.target.config.vocab_size
         out = torch.zeros(B, K, dtype=torch.long)  # [B,K]
@@ -79,4 +79,5 @@ class LayerSkipDrafter(Drafter):
         pass  # the target's own rollback covers the shared cache
 
     def release(self, rows):
-        pass
+        if self.hooks is not None:
+            self.hooks.released(rows)

@@ -42,7 +42,7 @@ class PromptLookupDrafter(Drafter):
 
     def propose(self, rows, tokens, k, sampling, generators):
         if self.hooks is not None:
-            tokens = self.hooks.sequences(tokens)
+            tokens = self.hooks.held(rows, self.hooks.sequences(tokens))
         K = max(k, default=0)
         out = torch.zeros(len(rows), K, dtype=torch.long)  # [B,K]
         n = torch.zeros(len(rows), dtype=torch.long)  # [B] drafts actually found
@@ -56,4 +56,5 @@ class PromptLookupDrafter(Drafter):
         pass
 
     def release(self, rows):
-        pass
+        if self.hooks is not None:
+            self.hooks.released(rows)

@@ -81,6 +81,26 @@ class StepTimes:
                 "bookkeeping_fraction": self.other_s / total if total else None}
 
 
+@dataclass
+class RowChurn:
+    """How this engine's cache rows turned over: what a changing, ragged batch exercises
+    (rows freed and taken again at other lengths, free rows between running ones) and a
+    batch that starts together and drains never does. The audit reads it (audit/churn.py)
+    to show that its runs reached that bookkeeping. Ints bumped once per admitted request,
+    once per ended request and once per step, from lists the step has already built."""
+
+    reused_rows: int = 0  # admissions into a cache row an earlier request of this engine used
+    # ... of which into a row that sat free through at least one step (not refilled at once)
+    reused_after_idle: int = 0
+    gapped_steps: int = 0  # steps whose running rows, sorted, leave a free row between two of them
+    mixed_length_steps: int = 0  # steps whose rows held sequences of different lengths
+    freed_in: dict = field(default_factory=dict)  # row -> the step its last request ended in
+
+    def counts(self) -> dict:
+        return {"reused_rows": self.reused_rows, "reused_after_idle": self.reused_after_idle,
+                "gapped_steps": self.gapped_steps, "mixed_length_steps": self.mixed_length_steps}
+
+
 @dataclass(eq=False)
 class StepRecord:
     """What one step knows, filled in phase by phase (Engine._step)."""
@@ -130,6 +150,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.times = StepTimes()
+        self.churn = RowChurn()
         # the step's seams (engine/hooks.py), bound once: without hooks the step calls the
         # correct behaviour as directly as its own methods
         self.hooks = h = CORRECT if hooks is None else hooks
@@ -139,6 +160,20 @@ class Engine:
 
     # -- lifecycle -------------------------------------------------------------
     def add(self, req: Request) -> None:
+        self._check(req)
+        sp = req.params.sampling
+        if self.config.rule == "coupled" and not sp.greedy and sp.seed is None:
+            # an unseeded request on a coupled engine: a seed from OS entropy (never the
+            # global torch RNG, which starts from the same state in every process)
+            seed = secrets.randbits(63)
+            req.params = replace(req.params, sampling=replace(sp, coupled=True, seed=seed))
+        if req.generator is None:
+            req.generator = req.params.sampling.make_generator()
+        req.rule = self._resolve_rule(req.params.sampling)
+        self.waiting.append(req)
+
+    def _check(self, req: Request) -> None:
+        """Refuse a request this engine cannot decode (ContextLengthError, ValueError)."""
         total = len(req.prompt_ids) + req.params.max_new_tokens
         if total > self.config.max_len:
             raise ContextLengthError(
@@ -151,15 +186,6 @@ class Engine:
         if self.config.rule == "greedy" and not sp.greedy:
             raise ValueError(f"rule 'greedy' verifies temperature-0 requests only (this one has "
                              f"temperature {sp.temperature}); use rule 'rejection' or 'coupled'")
-        if self.config.rule == "coupled" and not sp.greedy and sp.seed is None:
-            # an unseeded request on a coupled engine: a seed from OS entropy (never the
-            # global torch RNG, which starts from the same state in every process)
-            seed = secrets.randbits(63)
-            req.params = replace(req.params, sampling=replace(sp, coupled=True, seed=seed))
-        if req.generator is None:
-            req.generator = req.params.sampling.make_generator()
-        req.rule = self._resolve_rule(req.params.sampling)
-        self.waiting.append(req)
 
     def cancel(self, req: Request) -> None:
         """Stop a request; its row is freed now (call between steps)."""
@@ -177,6 +203,7 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.finished, req.finish_reason = True, reason
         req.stats.time_s = time.perf_counter() - req._t0
+        self.churn.freed_in[req.row] = self.times.steps  # the step ending it has not been counted yet
         self.cache.free([req.row])
         if self.drafter is not None:
             self.drafter.release([req.row])
@@ -192,8 +219,12 @@ class Engine:
             return []
         t0 = time.perf_counter()
         rows = self.cache.alloc(len(new))
+        churn, step = self.churn, self.times.steps
         for r, row in zip(new, rows):
             r.row, r._t0 = row, t0
+            if row in churn.freed_in:
+                churn.reused_rows += 1
+                churn.reused_after_idle += step - churn.freed_in[row] > 1
         groups = [new]
         failed = []
         while groups:
@@ -466,6 +497,9 @@ class Engine:
         self.times.verify_forward_s += verify_s
         self.times.other_s += (s.t_draft - s.t0 - s.prep_s) + (t_end - s.t_accept)
         self.times.steps += 1
+        if s.B > 1:  # one row has neither a gap nor another length
+            self.churn.gapped_steps += max(s.rows) - min(s.rows) >= s.B  # rows are distinct
+            self.churn.mixed_length_steps += min(s.n0) != max(s.n0)
         self.times.per_step.append((s.B, sum(s.num_l), s.n_out, t_end - s.t0 - s.prep_s))  # prefill left out
 
     def rule_for(self, r: Request) -> str:
@@ -492,12 +526,36 @@ class Engine:
         qb = None if q is None else q[b:b + 1, :, :p.shape[-1]]  # [1,K,V]
         return self._verify_rule(rule, p, qb, drafts[b:b + 1], num[b:b + 1], r.generator)
 
-    def run(self, requests: list[Request], on_finish=None) -> list[Request]:
-        """Decode requests to completion with continuous batching (rows refill as others end)."""
+    def run(self, requests: list[Request], on_finish=None, arrivals: list[int] | None = None) -> list[Request]:
+        """Decode requests to completion with continuous batching (rows refill as others end).
+
+        arrivals: arrivals[i] is the step of this run at which requests[i] is added (those
+        of one step in list order); None adds every request now. The run counts one step
+        per step() and, while nothing is running or waiting, jumps to the next arrival: it
+        takes no idle steps. Every request is checked before the first step, so a request
+        the engine refuses raises before anything is decoded."""
+        if arrivals is None:
+            for r in requests:
+                self.add(r)
+            while self.has_work:
+                for r in self.step():
+                    if on_finish is not None:
+                        on_finish(r)
+            return requests
+        if len(arrivals) != len(requests) or any(a < 0 for a in arrivals):
+            raise ValueError(f"arrivals needs one step >= 0 per request ({len(requests)} requests, "
+                             f"{len(arrivals)} arrivals)")
         for r in requests:
-            self.add(r)
-        while self.has_work:
+            self._check(r)
+        due = deque(sorted(zip(arrivals, range(len(requests)))))  # (step, index), in arrival order
+        step = 0
+        while due or self.has_work:
+            if not self.has_work:
+                step = max(step, due[0][0])
+            while due and due[0][0] <= step:
+                self.add(requests[due.popleft()[1]])
             for r in self.step():
                 if on_finish is not None:
                     on_finish(r)
+            step += 1
         return requests

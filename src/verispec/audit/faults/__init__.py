@@ -322,4 +322,5 @@ _PARTS.update({
 
 from . import null  # noqa: E402,F401 - registers its faults
 from . import filters  # noqa: E402,F401 - registers its faults
+from . import churn  # noqa: E402,F401 - registers its faults
 from . import attribution  # noqa: E402,F401 - registers its faults
