@@ -18,8 +18,8 @@ batch size:
   min(batch, ceil(n / 2)), wave j from step j * L // 2 on (L the longest length), each
   request a seeded 0..L // 6 steps after its wave's start. Within a wave the short requests
   end first and leave gaps between rows still decoding; the next wave takes the rows that
-  sat free. A shortest request opens the first wave at step 0 and is admitted first: it
-  ends within as many steps as it asks tokens (a step emits at least one), so when it asks
+  sat free. A shortest request joins the first wave at step 0, handed over second so that
+  it takes row 1 and its end leaves a gap between rows 0 and 2 still decoding: it ends within as many steps as it asks tokens (a step emits at least one), so when it asks
   at most L // 2 (mixed_lengths' third does) and there are two requests or more, the second
   wave arrives after it ended and takes a row used before, at any batch size.
 
@@ -64,13 +64,15 @@ def schedule(lengths: list[int], batch: int, seed: int | str) -> Schedule:
     spacing, jitter = max(1, L // 2), L // 6
     order = rng.sample(range(n), n)
     if n:
+        # the shortest request is handed over second, so it takes row 1 and frees it while
+        # rows 0 and 2 still decode: a gap in the running rows even in a batch of one wave
         first = min(order, key=lambda i: lengths[i])
         order.remove(first)
-        order.insert(0, first)
+        order.insert(min(1, len(order)), first)
     arrivals = [0] * n
-    for j, i in enumerate(order[1:], start=1):
+    for j, i in enumerate(order[2:], start=2):
         arrivals[i] = (j // size) * spacing + rng.randint(0, jitter)
-    order.sort(key=lambda i: arrivals[i])  # stable: ties keep the seeded order, the first request first
+    order.sort(key=lambda i: arrivals[i])  # stable: ties keep the seeded order
     return Schedule(order, arrivals)
 
 
