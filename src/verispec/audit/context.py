@@ -49,12 +49,16 @@ class AuditSizes:
     # tokens per probe request: short requests fill a wide batch, where the probe's three
     # passes per step (two one-token draft passes, one verify) cost least per token
     probe_max_new: int = 32
+    # timings of each audited prompt, plain and speculative side by side at batch 1, for the
+    # slices' speedup intervals (audit/speed.py): the greedy runs' one and speed_repeats - 1
+    # more, the order flipped repeat by repeat
+    speed_repeats: int = 1
 
     def __post_init__(self):
         if min(self.max_new_tokens, self.distribution_max_new, self.probe_max_new) < 2:
             raise ValueError("max_new_tokens, distribution_max_new and probe_max_new must be >= 2")
         if min(self.distribution_tokens, self.short_context, self.long_context,
-               self.load_rounds, self.load_steps) < 1:
+               self.load_rounds, self.load_steps, self.speed_repeats) < 1:
             raise ValueError("audit sizes must be positive")
         if self.probe_tokens < 0 or not self.probe_masses or not all(0 < m < 1 for m in self.probe_masses):
             raise ValueError("probe_tokens must be >= 0 and each probe mass in (0, 1)")
@@ -64,7 +68,7 @@ class AuditSizes:
         return cls("quick", prompts_per_slice=2, max_new_tokens=24, distribution_tokens=2048,
                    distribution_max_new=64, seeded_prompts=8, seeded_max_new=24, short_context=100,
                    long_context=1000, long_max_batch=4, load_rounds=2, load_steps=3,
-                   probe_tokens=512, probe_masses=(0.8,), probe_max_new=32)
+                   probe_tokens=512, probe_masses=(0.8,), probe_max_new=32, speed_repeats=3)
 
     @classmethod
     def full(cls) -> "AuditSizes":
@@ -74,7 +78,7 @@ class AuditSizes:
         return cls("full", prompts_per_slice=None, max_new_tokens=40, distribution_tokens=6144,
                    distribution_max_new=96, seeded_prompts=32, seeded_max_new=32, short_context=100,
                    long_context=1000, long_max_batch=16, load_rounds=2, load_steps=4,
-                   probe_tokens=4096, probe_masses=(0.8, 0.9), probe_max_new=48)
+                   probe_tokens=4096, probe_masses=(0.8, 0.9), probe_max_new=48, speed_repeats=4)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,12 @@ Each load point is ONE engine: B rows are prefilled once, then the same rows dec
 alternating phases, plain (k = 0) and speculative (k drafts), in ABBA order, so both are
 timed on the same cache, context lengths and machine load. Requests run at fixed length
 (EOS ignored) so no row leaves the batch while it is measured.
+
+A point's speedup is paired: step j of a round's plain phase with step j of the same
+round's speculative phase, each as seconds per token emitted (step time / tokens the step
+added over its B rows); the geometric mean of the pairs' ratios, with its t interval
+(stats.speedup_interval). Its prediction: what the point's tokens per target pass predict
+with the cost model's costs at B rows (speed.predicted_from_costs).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from ..engine import GenerationParams, PromptCache, Request
 from ..policy import PolicyWrapper
 from .checks import CheckResult
 from .context import AuditContext, encode
+from .speed import interval_figures, predicted_from_costs, verdict_counts
+from .stats import speedup_interval
 from .suite import slices
 
 
@@ -69,22 +77,25 @@ def measure_point(ctx: AuditContext, batch: int, prompts: list[list[int]], promp
     reqs = [Request(p, GenerationParams(max_new_tokens=max_new, ignore_eos=True)) for p in prompts]
     for r in reqs:
         engine.add(r)
-    timed = {False: [0, 0.0, 0], True: [0, 0.0, 0]}  # speculative? -> [tokens, seconds, steps]
+    # speculative? -> per round, per step: (seconds, tokens emitted over the B rows)
+    timed: dict[bool, list[list[tuple[float, int]]]] = {False: [], True: []}
+    ks: list[int] = []  # drafts each row verified in each speculative step
 
     def phase(speculative: bool, n_steps: int, record: bool) -> None:
         policy.speculative = speculative
-        before = sum(len(r.output_ids) for r in reqs)
-        t0 = time.perf_counter()
+        steps = []
         for _ in range(n_steps):
+            before = sum(len(r.output_ids) for r in reqs)
+            seen = [len(r.stats.k_chosen) for r in reqs]  # steps each row has recorded
+            t0 = time.perf_counter()
             engine.step()
-        dt = time.perf_counter() - t0
+            steps.append((time.perf_counter() - t0, sum(len(r.output_ids) for r in reqs) - before))
+            if record and speculative:
+                ks.extend(k for r, n in zip(reqs, seen) for k in r.stats.k_chosen[n:])
         if len(engine.running) != batch:
             raise RuntimeError("a load-sweep row finished while being measured")  # sizes bug
         if record:
-            t = timed[speculative]
-            t[0] += sum(len(r.output_ids) for r in reqs) - before
-            t[1] += dt
-            t[2] += n_steps
+            timed[speculative].append(steps)
 
     phase(False, 1, record=False)  # prefill + first plain step
     phase(True, 1, record=False)  # warm the drafter
@@ -94,13 +105,23 @@ def measure_point(ctx: AuditContext, batch: int, prompts: list[list[int]], promp
             phase(speculative, steps, record=True)
     for r in list(engine.running):
         engine.cancel(r)
-    (tok_p, s_p, n_p), (tok_s, s_s, n_s) = timed[False], timed[True]
+    plain_steps = [st for rnd in timed[False] for st in rnd]
+    spec_steps = [st for rnd in timed[True] for st in rnd]
+    tok_p, s_p = sum(t for _, t in plain_steps), sum(s for s, _ in plain_steps)
+    tok_s, s_s = sum(t for _, t in spec_steps), sum(s for s, _ in spec_steps)
     plain_tps, spec_tps = tok_p / s_p, tok_s / s_s
+    # pairs: step j of a round's plain phase with step j of its speculative phase
+    sp = speedup_interval([s / t if t else None for s, t in plain_steps],
+                          [s / t if t else None for s, t in spec_steps])
+    mal = tok_s / (len(spec_steps) * batch)
+    mean_k = sum(ks) / len(ks) if ks else None
+    costs = ctx.cost_model(batch, max(map(len, prompts)) + max_new)
     return {"batch": batch, "prompt_tokens": round(sum(map(len, prompts)) / len(prompts)),
             "plain_tokens_per_s": plain_tps, "speculative_tokens_per_s": spec_tps,
             # time between two tokens of one row: B / throughput
             "plain_ms_per_token": 1000 * batch / plain_tps, "speculative_ms_per_token": 1000 * batch / spec_tps,
-            "mean_accepted_length": tok_s / (n_s * batch), "speedup": spec_tps / plain_tps}
+            "mean_accepted_length": mal, "mean_k_chosen": mean_k,
+            **interval_figures(sp, predicted_from_costs(costs, batch, mal, mean_k))}
 
 
 def crossover(points: list[dict]) -> int | None:
@@ -137,9 +158,19 @@ def load_check(ctx: AuditContext) -> CheckResult:
             words.append(f"{name} context: speculation does not pay even at b={c}")
         else:
             words.append(f"{name} context: stops paying at b={c}")
-    figures = {"crossover_batch": cross, "contexts_tokens": {"short": sizes.short_context, "long": sizes.long_context},
+    every = [p for pts in points.values() for p in pts]
+    counts = verdict_counts(every)
+    if counts:
+        words.append(f"of {len(every)} points {counts}")
+    figures = {"crossover_batch": cross,
+               "verdicts": {name: {str(p["batch"]): p["verdict"] for p in pts} for name, pts in points.items() if pts},
+               "contexts_tokens": {"short": sizes.short_context, "long": sizes.long_context},
                "batch_sizes": batches, "long_context_batch_sizes": [b for n, _, b in plan if n == "long"],
                "k": ctx.config.k, "steps_per_phase": sizes.load_steps, "rounds": sizes.load_rounds,
                "method": "one engine per point; plain and speculative phases alternate (ABBA) on the "
-                         "same prefilled rows; fixed-length requests"}
+                         "same prefilled rows; fixed-length requests",
+               "pairs": "step j of a round's plain phase with step j of its speculative phase, as seconds "
+                        "per token emitted; 95% t interval of the mean log ratio",
+               "predicted_from": "tokens per target pass and the cost model's target and draft costs at the "
+                                 "point's batch size"}
     return CheckResult("load", True, "; ".join(words), figures, {"points": points}, informational=True)

@@ -5,7 +5,6 @@ in by the report (Agg backend)."""
 from __future__ import annotations
 
 from .checks import CheckResult
-from .fmt import f as _f
 
 
 def equivalence(plt, res: CheckResult | None):
@@ -100,32 +99,48 @@ def pit(plt, res: CheckResult | None):
     return fig
 
 
+def _yerr(rows: list[dict]) -> list[list[float]]:
+    """Asymmetric error bars of the rows' speedup intervals (none for a row without one)."""
+    lo = [r["speedup"] - r["speedup_ci"][0] if r.get("speedup_ci") else 0.0 for r in rows]
+    hi = [r["speedup_ci"][1] - r["speedup"] if r.get("speedup_ci") else 0.0 for r in rows]
+    return [lo, hi]
+
+
 def slices(plt, res: CheckResult | None):
-    """Tokens per target pass per slice, the speedup on the bars."""
+    """Tokens per target pass per slice (bars) and, on the same scale, the speedup with its
+    interval (grey where noise or not resolved) and what acceptance predicts: a speedup
+    above its bar is not speculation's doing."""
     fig, ax = plt.subplots(figsize=(6, 3.4))
     if res is not None:
         rows = res.details["slices"]
         names = [r["slice"] for r in rows]
-        mal = [r["mean_accepted_length"] or 0 for r in rows]
-        ax.bar(names, mal, color="#6a1b9a")
-        for n, m, r in zip(names, mal, rows):
-            ax.text(n, m + 0.02, f"{_f(r['speedup'])}x", ha="center", fontsize=8)
+        ax.bar(names, [r["mean_accepted_length"] or 0 for r in rows], color="#ce93d8", label="tokens per target pass")
+        timed = [(i, r) for i, r in enumerate(rows) if r.get("speedup") is not None]
+        for j, (i, r) in enumerate(timed):
+            ax.errorbar([i], [r["speedup"]], yerr=_yerr([r]), fmt="o", capsize=3, ms=4,
+                        color="#9e9e9e" if r.get("verdict") in ("noise", "unresolved") else "#4a148c",
+                        label="speedup, 95% interval" if j == 0 else None)
+        pred = [(i, r["predicted"]) for i, r in enumerate(rows) if r.get("predicted") is not None]
+        if pred:
+            ax.plot([i for i, _ in pred], [p for _, p in pred], "x", color="#e65100", label="predicted speedup")
         ax.axhline(1.0, color="k", ls="--", lw=1)
         ax.tick_params(axis="x", rotation=30, labelsize=8)
-    ax.set_ylabel("tokens per target pass")
+        ax.legend(fontsize=7)
+    ax.set_ylabel("tokens per target pass; speedup")
+    fig.tight_layout()
     return fig
 
 
 def load(plt, res: CheckResult | None):
-    """Speedup against batch size, short and long context."""
+    """Speedup against batch size, short and long context, with its interval."""
     fig, ax = plt.subplots(figsize=(6, 3.4))
     if res is not None:
         for name, style in (("short", "o-"), ("long", "s--")):
-            pts = res.details["points"].get(name) or []
+            pts = [p for p in res.details["points"].get(name) or [] if p.get("speedup") is not None]
             if pts:
                 ctx_tokens = round(sum(p["prompt_tokens"] for p in pts) / len(pts))
-                ax.plot([p["batch"] for p in pts], [p["speedup"] for p in pts], style,
-                        label=f"{name} context (~{ctx_tokens} tokens)")
+                ax.errorbar([p["batch"] for p in pts], [p["speedup"] for p in pts], yerr=_yerr(pts), fmt=style,
+                            capsize=3, label=f"{name} context (~{ctx_tokens} tokens)")
         ax.axhline(1.0, color="k", lw=1)
         ax.set_xscale("log", base=2)
         batches = sorted({p["batch"] for pts in res.details["points"].values() for p in pts})
@@ -133,5 +148,6 @@ def load(plt, res: CheckResult | None):
         ax.minorticks_off()
         ax.legend(fontsize=8)
     ax.set_xlabel("batch size (rows decoded together)")
-    ax.set_ylabel("speedup (spec / plain)")
+    ax.set_ylabel("speedup (spec / plain), 95% interval")
+    fig.tight_layout()
     return fig

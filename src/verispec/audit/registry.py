@@ -186,20 +186,34 @@ def _corruption_sections(c: CheckResult) -> list[Section]:
 
 
 # -- slices ----------------------------------------------------------------------------------
+def _verdict_txt(v: str | None) -> str:
+    """A speedup's verdict as the tables write it (stats.judge_speedup)."""
+    return {"unresolved": "not resolved at this budget", None: "-"}.get(v, v)
+
+
 def _slices_headline(c: CheckResult) -> list[tuple[str, str]]:
     f = c.figures
-    return [("Speedup at batch 1 (pooled)", f"{_f(f['pooled_speedup'])}x, {_f(f['pooled_mean_accepted_length'])} "
-                                            f"tokens/target pass; best {f['best_slice']}, worst {f['worst_slice']}")]
+    rows = c.details["slices"]
+    pooled = c.details["pooled"]
+    odd = [f"{len(f[k])} {w}" for k, w in (("noise_slices", "noise"), ("unresolved_slices", "not resolved"))
+           if f.get(k)]
+    return [("Speedup at batch 1 (pooled)", f"{pooled['speedup_text']}, {_f(f['pooled_mean_accepted_length'])} "
+                                            f"tokens/target pass; best {f['best_slice'] or '-'}, worst "
+                                            f"{f['worst_slice'] or '-'}"
+             + (f"; of {len(rows)} slices " + ", ".join(odd) if odd else ""))]
 
 
 def _slices_sections(c: CheckResult) -> list[Section]:
     rows = c.details["slices"] + [c.details["pooled"]]
-    return [("Acceptance and speed per slice (batch 1)",
+    return [(f"Acceptance and speed per slice (batch 1; 95% intervals over {c.figures.get('speed_repeats', 1)} "
+             f"timings per prompt; predicted from {c.figures.get('predicted_from', '-')})",
              ["slice", "prompts", "tokens", "tokens/pass", "acceptance", "acceptance per position",
-              "plain tok/s", "spec tok/s", "speedup"],
+              "plain tok/s", "spec tok/s", "speedup [95% CI]", "predicted", "verdict"],
              [[r["slice"], r["prompts"], r["tokens"], _f(r["mean_accepted_length"]), _pct(r["acceptance_rate"]),
                " ".join(_pct(a) for a in r["acceptance_per_position"]), _f(r["plain_tokens_per_s"], ".1f"),
-               _f(r["speculative_tokens_per_s"], ".1f"), _f(r["speedup"]) + "x"] for r in rows])]
+               _f(r["speculative_tokens_per_s"], ".1f"), r["speedup_text"],
+               _f(r["predicted"]) + "x" if r["predicted"] is not None else "acceptance unknown",
+               _verdict_txt(r["verdict"])] for r in rows])]
 
 
 # -- load ------------------------------------------------------------------------------------
@@ -210,9 +224,12 @@ def _load_sections(c: CheckResult) -> list[Section]:
             rows.append([name, p["prompt_tokens"], p["batch"], _f(p["plain_tokens_per_s"], ".1f"),
                          _f(p["speculative_tokens_per_s"], ".1f"), _f(p["plain_ms_per_token"], ".0f"),
                          _f(p["speculative_ms_per_token"], ".0f"), _f(p["mean_accepted_length"]),
-                         _f(p["speedup"]) + "x"])
-    return [("Load sweep", ["context", "prompt tokens", "batch", "plain tok/s", "spec tok/s", "plain ms/token",
-                            "spec ms/token", "tokens/pass", "speedup"], rows)]
+                         p["speedup_text"], _f(p["predicted"]) + "x" if p["predicted"] is not None else "-",
+                         _verdict_txt(p["verdict"])])
+    return [(f"Load sweep (speedup: {c.figures.get('pairs', 'paired timings')}; predicted from "
+             f"{c.figures.get('predicted_from', '-')})",
+             ["context", "prompt tokens", "batch", "plain tok/s", "spec tok/s", "plain ms/token",
+              "spec ms/token", "tokens/pass", "speedup [95% CI]", "predicted", "verdict"], rows)]
 
 
 def _lossy_rule(config) -> CheckResult:
@@ -244,9 +261,10 @@ register(Check("corruption", engine=lambda a: corruption.corruption_check(a.ctx,
                endpoint=outside.corruption_check, greedy=(ENGINE, ENDPOINT), sections=_corruption_sections))
 register(Check("slices", engine=lambda a: speed.slices_check(a.ctx, a.runs()), endpoint=outside.slices_check,
                greedy=(ENGINE, ENDPOINT), headline=_slices_headline, sections=_slices_sections,
-               plot=("slices", "Acceptance per slice: tokens per target pass (speedup on the bars)", plots.slices)))
+               plot=("slices", "Per slice: tokens per target pass (bars), the speedup with its 95% interval "
+                               "(grey: noise or not resolved) and what acceptance predicts", plots.slices)))
 register(Check("load", engine=lambda a: load.load_check(a.ctx), endpoint=outside.load_check, greedy=(ENDPOINT,),
                headline=lambda c: [("Load crossover", c.summary)], sections=_load_sections,
-               plot=("load", "Speedup of speculative over plain decoding vs load", plots.load)))
+               plot=("load", "Speedup of speculative over plain decoding vs load, with 95% intervals", plots.load)))
 register(Check("record", engine=lambda a: record.record_check(a.record()), endpoint=outside.record_check,
                always=True))

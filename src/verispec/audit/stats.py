@@ -169,3 +169,85 @@ def relaxed_power(accept_prob, c: float, alpha: float) -> float:
     z = float(sps.norm.isf(alpha / 2))
     sd0, sd1 = var0 ** 0.5, max(var1, 1e-12) ** 0.5
     return float(sps.norm.cdf((shift - z * sd0) / sd1) + sps.norm.cdf((-shift - z * sd0) / sd1))
+
+
+# -- speedups with their intervals ------------------------------------------------------------
+@dataclass(frozen=True)
+class Speedup:
+    """A speedup of speculative over plain decoding measured as n side-by-side pairs (each
+    pair: the same work timed plain and speculative moments apart, in alternating order).
+    estimate: the geometric mean of the pairs' ratios (plain seconds per token / speculative
+    seconds per token); low, high: its (1 - alpha) Student-t interval on the log scale, so a
+    pair's drift cancels in its own ratio and the interval reflects how much the pairs
+    disagree. With one pair the interval is (0, inf): nothing is resolved."""
+
+    estimate: float
+    low: float
+    high: float
+    pairs: int
+    alpha: float = 0.05
+
+    def to_dict(self) -> dict:
+        return {"speedup": self.estimate, "ci_low": self.low, "ci_high": self.high, "pairs": self.pairs,
+                "confidence": 1 - self.alpha}
+
+
+def speedup_interval(plain_s_per_token, spec_s_per_token, alpha: float = 0.05) -> Speedup | None:
+    """The speedup of paired timings (seconds per token, plain and speculative, one pair per
+    item); None without a usable pair. Pairs with a non-positive time are dropped."""
+    r = [p / s for p, s in zip(plain_s_per_token, spec_s_per_token) if p and s and p > 0 and s > 0]
+    if not r:
+        return None
+    logs = np.log(np.asarray(r, dtype=np.float64))
+    m = float(logs.mean())
+    if len(r) < 2:
+        return Speedup(float(np.exp(m)), 0.0, float("inf"), 1, alpha)
+    half = float(sps.t.ppf(1 - alpha / 2, len(r) - 1) * logs.std(ddof=1) / np.sqrt(len(r)))
+    return Speedup(float(np.exp(m)), float(np.exp(m - half)), float(np.exp(m + half)), len(r), alpha)
+
+
+def predicted_speedup(tokens_per_pass: float | None, decode_s: float | None = None,
+                      pass_s: float | None = None, draft_s: float = 0.0) -> float | None:
+    """What acceptance predicts: tokens_per_pass tokens for one verify pass (pass_s) and its
+    drafting (draft_s), against one token per plain decode (decode_s). Without costs, the
+    upper bound tokens_per_pass: a verify pass costs at least one decode and drafting is not
+    free, so a speedup above tokens per pass is not speculation's doing."""
+    if tokens_per_pass is None:
+        return None
+    if decode_s is None or pass_s is None or pass_s + draft_s <= 0:
+        return float(tokens_per_pass)
+    return float(tokens_per_pass * decode_s / (pass_s + draft_s))
+
+
+def judge_speedup(sp: Speedup | None, predicted: float | None, tolerance: float = 0.05) -> str:
+    """How a measured speedup may be reported:
+    "noise": above 1 + tolerance while its acceptance predicts at most 1 + tolerance
+             (not speculation's doing: order, drift or a single timing);
+    "faster" / "slower": the whole interval above / below 1;
+    "unresolved": the interval is wider than +-tolerance around the estimate and holds 1
+                  (not resolved at this budget);
+    "even": the interval holds 1 and is narrow: no difference beyond tolerance."""
+    if sp is None:
+        return "unresolved"
+    if predicted is not None and sp.estimate > 1 + tolerance and predicted <= 1 + tolerance:
+        return "noise"
+    if sp.low > 1:
+        return "faster"
+    if sp.high < 1:
+        return "slower"
+    if sp.high > (1 + tolerance) * sp.estimate or sp.low < sp.estimate / (1 + tolerance):
+        return "unresolved"
+    return "even"
+
+
+def speedup_text(sp: Speedup | None, verdict: str, predicted: float | None = None) -> str:
+    """The speedup as the report prints it: a number with its interval, or why it is none."""
+    if sp is None:
+        return "not measured"
+    ci = f"[{sp.low:.2f}, {sp.high:.2f}]" if sp.pairs > 1 else "[no interval: 1 pair]"
+    if verdict == "noise":
+        return (f"noise: {sp.estimate:.2f}x {ci} measured, acceptance predicts "
+                f"{predicted:.2f}x at most" if predicted is not None else f"noise: {sp.estimate:.2f}x {ci}")
+    if verdict == "unresolved":
+        return f"not resolved at this budget: {sp.estimate:.2f}x {ci}"
+    return f"{sp.estimate:.2f}x {ci}"

@@ -122,13 +122,18 @@ def _settings(args):
 
 
 def config_from_args(args):
+    import dataclasses
+
     from ..audit.context import AuditConfig, AuditSizes
     from ..policy import resolve_k
     mode = "quick" if args.quick else "full"
+    sizes = AuditSizes.quick() if args.quick else AuditSizes.full()
+    if getattr(args, "speed_repeats", None) is not None:  # --speed-repeats (add_endpoint_arguments)
+        sizes = dataclasses.replace(sizes, speed_repeats=args.speed_repeats)
     return AuditConfig(target=args.target, draft=args.draft, k=resolve_k(args.policy, args.k), policy=args.policy,
                        batch_invariant=args.batch_invariant, rule=args.verify, suite=args.suite,
                        batch_sizes=args.batch_sizes or DEFAULT_BATCH_SIZES[mode],
-                       sizes=AuditSizes.quick() if args.quick else AuditSizes.full(),
+                       sizes=sizes,
                        seed=args.seed, settings=_settings(args), min_verified_drafts=args.min_verified_drafts,
                        prompt_format=args.prompt_format, inject_fault=args.inject_fault,
                        fail_fast=args.fail_fast, only=args.only, cost_cache=not args.measure_costs)

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field, replace
 import httpx
 
 from ..checks import CheckResult
-from .client import EndpointConfig, EndpointRun, PromptResult, audit_endpoint, audit_paired
+from ..speed import RANKED, interval_figures, verdict_counts
+from ..stats import predicted_speedup, speedup_interval
+from .client import EndpointConfig, EndpointRun, LevelRun, PromptResult, audit_endpoint, audit_paired
 from .counters import SpecCounters
 from . import rescore
 from .kinds import ServerInfo
@@ -39,9 +41,10 @@ def _run(cfg: EndpointConfig, prompts: list, what: str) -> EndpointRun:
         raise EndpointError(f"{what} at {cfg.base}: {type(e).__name__}: {e}") from None
 
 
-def _run_paired(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: list) -> tuple[EndpointRun, EndpointRun]:
+def _run_paired(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: list,
+                reference_first: bool = False) -> tuple[EndpointRun, EndpointRun]:
     try:
-        return audit_paired(cfg, ref_cfg, prompts)
+        return audit_paired(cfg, ref_cfg, prompts, reference_first)
     except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
         raise EndpointError(f"the endpoint and its reference at {cfg.base} / {ref_cfg.base}: "
                             f"{type(e).__name__}: {e}") from None
@@ -69,6 +72,9 @@ class EndpointAudit:
     score_with: str
     min_verified_drafts: int
     seed: int
+    # timings per prompt of the endpoint and its reference side by side at concurrency 1, for
+    # the slices' speedup intervals: the paired run's level 1 and speed_repeats - 1 more
+    speed_repeats: int = 1
     run: EndpointRun | None = None  # the endpoint at every level
     base: EndpointRun | None = None  # the reference at concurrency 1
     null_run: EndpointRun | None = None
@@ -78,6 +84,8 @@ class EndpointAudit:
     tests: list[Comparison] = field(default_factory=list)
     nulls: dict[int, Comparison] = field(default_factory=dict)
     srun: EndpointRun | None = None  # the temperature-1 phase
+    # the further paired runs at concurrency 1 (endpoint run, reference run), each of one level
+    speed_runs: list[tuple[EndpointRun, EndpointRun]] = field(default_factory=list)
     record: dict | None = None
     results: list[CheckResult] = field(default_factory=list)
 
@@ -90,6 +98,10 @@ class EndpointAudit:
             self.run, first_null = _run_paired(self.cfg, self.ref_cfg, self.prompts)
             self.null_runs = [first_null] + [_run(self.ref_cfg, self.prompts, "the null run")
                                              for _ in range(null_repeats - 1)]
+            if self.concurrency[0] == 1:  # the slices' level: more pairs, each wave's order flipped in turn
+                one = replace(self.cfg, concurrency=(1,))
+                self.speed_runs = [_run_paired(one, self.ref_cfg, self.prompts, reference_first=rep % 2 == 1)
+                                   for rep in range(1, self.speed_repeats)]
         else:
             self.run = _run(self.cfg, self.prompts, "the endpoint")
             self.null_runs = [_run(base_cfg, self.prompts, "the null run") for _ in range(null_repeats)]
@@ -151,7 +163,7 @@ def corruption_check(a: EndpointAudit) -> CheckResult:
 
 
 def slices_check(a: EndpointAudit) -> CheckResult:
-    return _slices(a.run, a.reference)
+    return _slices(a.run, a.reference, a.speed_runs)
 
 
 def load_check(a: EndpointAudit) -> CheckResult:
@@ -415,24 +427,44 @@ def _tps(results: list[PromptResult]) -> float | None:
     return toks / secs if secs else None
 
 
+def _s_per_token(r: PromptResult) -> float | None:
+    """Seconds per completion token of one answer, end to end (None: failed or empty)."""
+    if not r.ok or not r.completion_tokens or not r.latency_s:
+        return None
+    return r.latency_s / r.completion_tokens
+
+
+def _request_spec(r: PromptResult) -> tuple[dict, str] | None:
+    """One answer's speculative figures and where they come from: its response's own
+    fields, else the endpoint's /metrics difference over it alone (client.run_paired)."""
+    if r.server_info:
+        return r.server_info, "responses"
+    if r.counter_spec:
+        return r.counter_spec, "/metrics counters per request"
+    return None
+
+
 def _response_sums(results: list[PromptResult]) -> dict | None:
-    """Per-response speculative fields summed over answers (None when no answer had any)."""
-    infos = [r.server_info for r in results if r.ok and r.server_info]
+    """Per-request speculative figures summed over answers (None when no answer had any)."""
+    infos = [x for r in results if r.ok and (x := _request_spec(r)) is not None]
     if not infos:
         return None
 
     def total(key):
-        vals = [i.get(key) for i in infos]
+        vals = [i.get(key) for i, _ in infos]
         return sum(vals) if vals and all(v is not None for v in vals) else None
-    return {"source": infos[0].get("source"), "responses": len(infos), "drafted": total("drafted"),
-            "accepted": total("accepted"), "verify_steps": total("verify_steps"),
+    return {"source": infos[0][0].get("source"), "via": infos[0][1], "responses": len(infos),
+            "drafted": total("drafted"), "accepted": total("accepted"), "verify_steps": total("verify_steps"),
             "target_passes": total("target_passes")}
 
 
 def _slice_row(name: str, spec: list[PromptResult], plain: list[PromptResult] | None,
-               counters: SpecCounters | None = None) -> dict:
-    """One slice's figures from the answers' own speculative fields; the pooled row takes
-    the level's /metrics counters where the server has them (and says which)."""
+               counters: SpecCounters | None = None, pairs: list[tuple] | None = None) -> dict:
+    """One slice's figures from each answer's own speculative figures (_request_spec); the
+    pooled row takes the level's /metrics counters where the server has them (and says
+    which). pairs: (plain, speculative) seconds per token of each prompt in each repeat,
+    timed side by side: the speedup and its interval. What acceptance predicts is tokens per
+    target pass, an upper bound: the server's step costs are not known from outside."""
     sums = _response_sums(spec)
     toks = sum(r.completion_tokens or 0 for r in spec if r.ok)
     rate = mal = None
@@ -444,7 +476,11 @@ def _slice_row(name: str, spec: list[PromptResult], plain: list[PromptResult] | 
             mal = toks / sums["target_passes"]
         elif sums["verify_steps"]:
             mal = 1 + sums["accepted"] / sums["verify_steps"]
-        source = f"responses ({sums['source']})"
+        elif sums["accepted"] is not None and toks > sums["accepted"]:
+            # llama.cpp counts no passes: each (the prefill's included) emits its accepted
+            # drafts and one token of its own
+            mal = toks / (toks - sums["accepted"])
+        source = f"{sums['via']} ({sums['source']})"
     per_pos: list = []
     gauges = None
     if counters is not None and not counters.from_gauges:
@@ -457,10 +493,11 @@ def _slice_row(name: str, spec: list[PromptResult], plain: list[PromptResult] | 
                   "samples": counters.gauge_samples,
                   "note": "SGLang gauges: last-batch values sampled during the run, not this level's figures"}
     s_tps, p_tps = _tps(spec), (_tps(plain) if plain else None)
+    sp = speedup_interval([p for p, _ in pairs], [s for _, s in pairs]) if pairs else None
     return {"slice": name, "prompts": len(spec), "tokens": toks, "mean_accepted_length": mal, "acceptance_rate": rate,
             "acceptance_per_position": per_pos, "plain_tokens_per_s": p_tps, "figures_from": source,
-            "response_sums": sums, "gauges": gauges,
-            "speculative_tokens_per_s": s_tps, "speedup": s_tps / p_tps if s_tps and p_tps else None}
+            "response_sums": sums, "gauges": gauges, "speculative_tokens_per_s": s_tps,
+            **interval_figures(sp, predicted_speedup(mal))}
 
 
 def _tokens_per_pass(spec: SpecCounters) -> float | None:
@@ -476,22 +513,36 @@ def _counters_agree(sums: dict | None, counters: SpecCounters | None) -> bool | 
     return (sums["drafted"] == counters.draft_tokens and sums["accepted"] == counters.accepted_tokens)
 
 
-def _slices(run: EndpointRun, reference: EndpointRun | None) -> CheckResult:
+def _slices(run: EndpointRun, reference: EndpointRun | None,
+            speed_runs: list[tuple[EndpointRun, EndpointRun]] = ()) -> CheckResult:
+    """Per slice at the first level; speedups from every prompt's pairs: the paired run's
+    and each of speed_runs' (further paired runs at concurrency 1)."""
     level = run.levels[0]
     plain = reference.levels[0].results if reference else None
+    repeats = ([(level.results, plain)] if plain else []) + [(e.levels[0].results, r.levels[0].results)
+                                                             for e, r in speed_runs]
+
+    def pairs(idx):
+        return [(_s_per_token(ref[i]), _s_per_token(got[i])) for got, ref in repeats for i in idx]
     names = list(dict.fromkeys(r.slice for r in level.results))
     rows = []
     for name in names:
         idx = [i for i, r in enumerate(level.results) if r.slice == name]
-        rows.append(_slice_row(name, [level.results[i] for i in idx], [plain[i] for i in idx] if plain else None))
-    pooled = _slice_row("pooled", level.results, plain, level.spec)
+        rows.append(_slice_row(name, [level.results[i] for i in idx], [plain[i] for i in idx] if plain else None,
+                               pairs=pairs(idx)))
+    pooled = _slice_row("pooled", level.results, plain, level.spec, pairs(range(len(level.results))))
     agree = _counters_agree(pooled["response_sums"], level.spec)
-    ranked = [r for r in rows if r["speedup"] is not None] or rows
-    key = (lambda r: r["speedup"]) if any(r["speedup"] is not None for r in rows) else (
-        lambda r: r["mean_accepted_length"] or 0)
+    measured = [r for r in rows if r["speedup"] is not None]
+    if measured:  # best and worst among the slices whose speedup says something
+        ranked, key = [r for r in measured if r["verdict"] in RANKED], (lambda r: r["speedup"])
+    else:  # no reference: by acceptance alone
+        ranked, key = rows, (lambda r: r["mean_accepted_length"] or 0)
     best, worst = (max(ranked, key=key)["slice"], min(ranked, key=key)["slice"]) if ranked else (None, None)
-    summary = (f"concurrency {level.concurrency}: pooled speedup "
-               + (f"{pooled['speedup']:.2f}x" if pooled["speedup"] else "n/a (no separate reference)")
+    summary = (f"concurrency {level.concurrency}"
+               + (f", {pooled['pairs']} pairs ({len(level.results)} prompts x {len(repeats)} repeats)"
+                  if repeats else "")
+               + ": pooled speedup "
+               + (pooled["speedup_text"] if pooled["speedup"] else "n/a (no separate reference)")
                + (f", {pooled['mean_accepted_length']:.2f} tokens/target pass" if pooled["mean_accepted_length"]
                   else "")
                + (f", acceptance {pooled['acceptance_rate']:.1%}" if pooled["acceptance_rate"] is not None else "")
@@ -499,13 +550,40 @@ def _slices(run: EndpointRun, reference: EndpointRun | None) -> CheckResult:
                   ", acceptance unknown: the server publishes no speculative counters")
                + ("" if agree is None else "; responses agree with /metrics" if agree
                   else "; responses DISAGREE with /metrics"))
-    figures = {"pooled_speedup": pooled["speedup"], "pooled_mean_accepted_length": pooled["mean_accepted_length"],
+    counts = verdict_counts(rows)
+    if counts:
+        summary += f"; of {len(rows)} slices {counts}"
+    figures = {"pooled_speedup": pooled["speedup"], "pooled_speedup_ci": pooled["speedup_ci"],
+               "pooled_verdict": pooled["verdict"], "pooled_predicted": pooled["predicted"],
+               "pooled_pairs": pooled["pairs"], "speed_repeats": len(repeats),
+               "pooled_mean_accepted_length": pooled["mean_accepted_length"],
                "pooled_acceptance_rate": pooled["acceptance_rate"],
                "pooled_acceptance_per_position": pooled["acceptance_per_position"],
                "figures_from": pooled["figures_from"], "responses_agree_with_counters": agree,
                "best_slice": best, "worst_slice": worst, "gauges": pooled["gauges"],
+               "noise_slices": [r["slice"] for r in rows if r["verdict"] == "noise"],
+               "unresolved_slices": [r["slice"] for r in rows if r["verdict"] == "unresolved"],
+               "timing": "end to end per request; each prompt to the endpoint and to the reference back to back "
+                         "(client.run_paired), once per repeat, the order flipped repeat by repeat; a pair is "
+                         "one prompt in one repeat",
+               "interval": "95% t interval of the mean log ratio over the pairs",
+               "predicted_from": "tokens per target pass: an upper bound (the server's step costs are not known)",
                "server_counters": level.spec.to_dict() if level.spec else None}
     return _check("slices", True, summary, figures, {"slices": rows, "pooled": pooled}, informational=True)
+
+
+def _wave_pairs(lv: LevelRun, ref: LevelRun | None) -> list[tuple[float, float]]:
+    """(plain, speculative) seconds per token of each wave both sides answered in full: the
+    wave's wall time over its completion tokens."""
+    if ref is None or not lv.waves or not lv.wave_walls or ref.waves != lv.waves or not ref.wave_walls:
+        return []
+    out = []
+    for idx, wall, ref_wall in zip(lv.waves, lv.wave_walls, ref.wave_walls):
+        got, base = [lv.results[i] for i in idx], [ref.results[i] for i in idx]
+        if all(r.ok and r.completion_tokens for r in got + base):
+            out.append((ref_wall / sum(r.completion_tokens for r in base),
+                        wall / sum(r.completion_tokens for r in got)))
+    return out
 
 
 def _load(run: EndpointRun, reference: EndpointRun | None) -> CheckResult:
@@ -520,21 +598,30 @@ def _load(run: EndpointRun, reference: EndpointRun | None) -> CheckResult:
         def ms_per_token(results):
             v = [1000 * r.latency_s / r.completion_tokens for r in results if r.ok and r.completion_tokens]
             return sum(v) / len(v) if v else None
+        mal = _tokens_per_pass(lv.spec) if lv.spec and not lv.spec.from_gauges else None
+        pairs = _wave_pairs(lv, ref)
+        sp = speedup_interval([p for p, _ in pairs], [s for _, s in pairs]) if pairs else None
         points.append({"batch": lv.concurrency,
                        "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok) / len(ok) if ok else 0,
                        "plain_tokens_per_s": p_tps, "speculative_tokens_per_s": s_tps,
                        "plain_ms_per_token": ms_per_token(ref.results) if ref else None,
                        "speculative_ms_per_token": ms_per_token(lv.results),
-                       "mean_accepted_length": (_tokens_per_pass(lv.spec) if lv.spec and not lv.spec.from_gauges
-                                                else None),
-                       "speedup": s_tps / p_tps if s_tps and p_tps else None,
+                       "mean_accepted_length": mal, **interval_figures(sp, predicted_speedup(mal)),
                        "server_counters": lv.spec.to_dict() if lv.spec else None})
     below = [p["batch"] for p in points if p["speedup"] is not None and p["speedup"] < 1]
     summary = ("throughput per load level: " + ", ".join(
         f"c{p['batch']} {p['speculative_tokens_per_s'] or 0:.1f} tok/s"
-        + (f" ({p['speedup']:.2f}x)" if p["speedup"] else "") for p in points)
+        + (f" ({p['speedup_text']})" if p["speedup"] else "") for p in points)
         + (f"; slower than the reference from concurrency {below[0]}" if below else ""))
-    return _check("load", True, summary, {"crossover_concurrency": below[0] if below else None},
+    counts = verdict_counts(points)
+    if counts:
+        summary += f"; of {len(points)} levels {counts}"
+    return _check("load", True, summary,
+                  {"crossover_concurrency": below[0] if below else None,
+                   "verdicts": {"short": {str(p["batch"]): p["verdict"] for p in points}},
+                   "pairs": "one per wave: its wall time per completion token, endpoint and reference",
+                   "interval": "95% t interval of the mean log ratio over the waves",
+                   "predicted_from": "tokens per target pass: an upper bound (the server's step costs are not known)"},
                   {"points": {"short": points}}, informational=True)
 
 

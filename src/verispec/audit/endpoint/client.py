@@ -78,6 +78,10 @@ class PromptResult:
     server_info: dict | None = None  # the response's speculative fields (counters.response_spec), if any
     scored_by: list[str | None] | None = None  # per token: whose logprobs are in `top` (rescore.py), if known
     prompt_ids: list[int] | None = None  # the prompt as the server tokenized it, where it says (rescore.py)
+    # where the response has no speculative fields (vLLM): the endpoint's /metrics counters'
+    # difference over this request alone, read around it (run_paired at concurrency 1),
+    # in response_spec's form
+    counter_spec: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -91,6 +95,7 @@ class LevelRun:
     results: list[PromptResult]
     spec: SpecCounters | None  # counters over this level only (differences)
     waves: list[list[int]] | None = None  # run_paired: the prompts (indices) of each wave, timed together
+    wave_walls: list[float] | None = None  # run_paired: each wave's wall time, in the order of `waves`
 
     @property
     def completion_tokens(self) -> int:
@@ -105,7 +110,8 @@ class LevelRun:
                 "tokens_per_s": self.completion_tokens / self.wall_s if self.wall_s else None,
                 "latency_p50_s": statistics.median(lat) if lat else None,
                 "latency_p95_s": _quantile(lat, 0.95), "ttft_p50_s": statistics.median(ttft) if ttft else None,
-                "spec": self.spec.to_dict() if self.spec else None, "waves": self.waves}
+                "spec": self.spec.to_dict() if self.spec else None, "waves": self.waves,
+                "wave_walls": self.wave_walls}
 
 
 @dataclass
@@ -316,56 +322,91 @@ async def run_endpoint(cfg: EndpointConfig, prompts: Iterable, on_result=None) -
         await client.aclose()
 
 
-async def run_paired(cfg: EndpointConfig, ref_cfg: EndpointConfig,
-                     prompts: Iterable) -> tuple[EndpointRun, EndpointRun]:
+async def run_paired(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: Iterable,
+                     reference_first: bool = False) -> tuple[EndpointRun, EndpointRun]:
     """The endpoint and its reference timed side by side, for speedups that drift cancels in.
 
     At each level c (cfg.concurrency; the reference runs at the same levels) the prompts go
     in waves of c consecutive prompts, each wave's requests started together: the wave to
-    the endpoint, then the same wave to the reference, the order alternating wave by wave.
-    Whatever slows the machine for a while (other jobs, a throttled core) then slows both
-    halves of a pair alike and cancels in their ratio, and an order effect (the second
-    request of a pair finding caches warm) cancels over the waves. Never both at once: a
-    wave has the machine to itself. A level's wall time is the sum of its waves', per side.
+    the endpoint, then the same wave to the reference, the order alternating wave by wave
+    (reference_first: the reference leads the first wave, so a repeat flips every wave's
+    order). Whatever slows the machine for a while (other jobs, a throttled core) then
+    slows both halves of a pair alike and cancels in their ratio, and an order effect (the
+    second request of a pair finding caches warm) cancels over the waves. Never both at
+    once: a wave has the machine to itself. A level's wall time is the sum of its waves',
+    per side; each wave's own is kept (LevelRun.wave_walls).
 
     A server shared by both (a verispec endpoint with speculation switched off per
     request) has its /metrics read around each of the endpoint's own waves, so that the
     reference's requests are not in the endpoint's counters; separate servers are read
-    around the level. Returns (endpoint run, reference run)."""
+    around the level. At concurrency 1 a wave is one request: where its response carries
+    no speculative fields (vLLM), the endpoint's counters read around the wave are that
+    request's own, kept as its PromptResult.counter_spec (separate servers are then read
+    around each wave too, until a response carries its own fields or a page has no
+    counters). Every GET (/v1/models, /metrics) goes through a client of its own: a POST
+    right after a GET on the same keep-alive connection waits ~40 ms for a delayed ACK,
+    which would land in the timing of the request after each scrape. Returns (endpoint
+    run, reference run)."""
     prompts = list(prompts)
     sides = [EndpointClient(cfg), EndpointClient(replace(ref_cfg, concurrency=cfg.concurrency))]
+    scrapers = [EndpointClient(c.cfg) for c in sides]
     shared = cfg.base == ref_cfg.base  # counters then read around each wave, else around the level
     try:
-        opened = [await _open(c) for c in sides]
+        opened = [await _open(c) for c in scrapers]
         levels: list[list[LevelRun]] = [[], []]
         for conc in cfg.concurrency:
             results = [[None] * len(prompts), [None] * len(prompts)]
-            walls = [0.0, 0.0]
+            walls: list[list[float]] = [[], []]
             total: list[SpecCounters | None] = [None, None]
-            before = [None if shared else _counters(await c.metrics()) for c in sides]
-            samplers = [None if shared else _start_gauges(c, b) for c, b in zip(sides, before)]
+            before = [None if shared else _counters(await c.metrics()) for c in scrapers]
+            samplers = [None if shared else _start_gauges(c, b) for c, b in zip(scrapers, before)]
+            per_request = conc == 1  # the endpoint's counters read around each of its one-request waves
             waves = [range(i, min(i + conc, len(prompts))) for i in range(0, len(prompts), conc)]
             for w, wave in enumerate(waves):
-                for s in ((0, 1) if w % 2 == 0 else (1, 0)):
-                    client, (model, _) = sides[s], opened[s]
-                    b = _counters(await client.metrics()) if shared else None
+                for s in ((0, 1) if (w % 2 == 0) != reference_first else (1, 0)):
+                    client, scraper, (model, _) = sides[s], scrapers[s], opened[s]
+                    read = shared or (per_request and s == 0)
+                    b = _counters(await scraper.metrics()) if read else None
                     t0 = time.perf_counter()
                     got = await asyncio.gather(*(client.complete(model, prompts[i].id, prompts[i].slice,
                                                                  prompts[i].prompt) for i in wave))
-                    walls[s] += time.perf_counter() - t0
+                    walls[s].append(time.perf_counter() - t0)
                     for i, r in zip(wave, got):
                         results[s][i] = r
+                    if not read:
+                        continue
+                    d = await _level_counters(scraper, b, None, got)
                     if shared:
-                        total[s] = _plus(total[s], await _level_counters(client, b, None, got))
+                        total[s] = _plus(total[s], d)
+                    if per_request and s == 0:
+                        _attach_counters(got[0], b, d)
+                        # separate servers: no further scrapes where they tell nothing new (no
+                        # counters, answers with their own fields, gauges)
+                        per_request = shared or not (b is None or got[0].server_info is not None
+                                                     or (d is not None and d.from_gauges))
             for s in (0, 1):
-                spec = total[s] if shared else await _level_counters(sides[s], before[s], samplers[s],
+                spec = total[s] if shared else await _level_counters(scrapers[s], before[s], samplers[s],
                                                                          results[s])
-                levels[s].append(LevelRun(conc, walls[s], results[s], spec, [list(w) for w in waves]))
+                levels[s].append(LevelRun(conc, sum(walls[s]), results[s], spec, [list(w) for w in waves],
+                                          walls[s]))
         return tuple(EndpointRun(c.cfg.base, model, kind, c.logprobs, lv)
                      for c, (model, kind), lv in zip(sides, opened, levels))
     finally:
-        for c in sides:
+        for c in sides + scrapers:
             await c.aclose()
+
+
+def _attach_counters(r: PromptResult, before: SpecCounters | None, d: SpecCounters | None) -> None:
+    """r.counter_spec from the counters' difference d over r alone, where r's response has no
+    speculative fields and d counts drafts (not SGLang's gauges)."""
+    if not r.ok or r.server_info is not None or before is None or d is None or d.from_gauges \
+            or d.draft_tokens is None:
+        return
+
+    def n(x):
+        return None if x is None else int(round(x))
+    r.counter_spec = {"source": d.source, "drafted": n(d.draft_tokens), "accepted": n(d.accepted_tokens),
+                      "verify_steps": n(d.drafts), "target_passes": n(d.target_passes)}
 
 
 async def _open(client: "EndpointClient") -> tuple[str, str]:
@@ -456,9 +497,10 @@ def audit_endpoint(cfg: EndpointConfig, prompts: Iterable, on_result=None) -> En
     return asyncio.run(run_endpoint(cfg, prompts, on_result))
 
 
-def audit_paired(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: Iterable) -> tuple[EndpointRun, EndpointRun]:
+def audit_paired(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: Iterable,
+                 reference_first: bool = False) -> tuple[EndpointRun, EndpointRun]:
     """Synchronous wrapper of run_paired: (endpoint run, reference run)."""
-    return asyncio.run(run_paired(cfg, ref_cfg, prompts))
+    return asyncio.run(run_paired(cfg, ref_cfg, prompts, reference_first))
 
 
 def first_divergence(a: str, b: str) -> int | None:

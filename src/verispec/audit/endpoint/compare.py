@@ -9,7 +9,8 @@ change. This compares a new endpoint audit with an earlier one:
 * figures: per slice (at concurrency 1) and per load level, acceptance and speedup in
   both runs, each with a 95% interval, and the change with its interval. Acceptance per
   prompt is accepted / drafted from the answers' own speculative fields, where the server
-  gives them, and each prompt is one observation;
+  gives them, else from the endpoint's /metrics difference over the request (read at
+  concurrency 1: client.run_paired), and each prompt is one observation;
 * gate: it fails when equivalence got worse (the old audit passed it and the new one
   does not, or a level's divergence count rose by a one-sided Fisher exact test at
   ALPHA) or when a speedup fell beyond its noise (a one-sided Welch t test of the log
@@ -118,7 +119,7 @@ def per_prompt(report: dict) -> dict[int, list[dict]]:
         wave_of = {i: w for w, idx in enumerate(lv.get("waves") or []) for i in idx}
         for i, r in enumerate(lv["results"]):
             s, p = _tps(r), _tps(refs.get(r["id"], {}))
-            info = r.get("server_info") or {}
+            info = r.get("server_info") or r.get("counter_spec") or {}  # the response's own, else its /metrics
             acc = info["accepted"] / info["drafted"] if info.get("drafted") else None
             rows.append({"id": r["id"], "slice": r["slice"], "acceptance": acc, "wave": wave_of.get(i, f"p{i}"),
                          "log_speedup": math.log(s / p) if s and p else None})

@@ -87,6 +87,16 @@ def add_endpoint_arguments(a) -> None:
                         "speedup; exit 1 when equivalence got worse or a speedup fell beyond its noise")
     a.add_argument("--null-repeats", type=_int_at_least(1), default=1,
                    help="run the null (reference vs itself) this many times, pooled (default 1)")
+    a.add_argument("--speed-repeats", type=_int_at_least(1), default=None, metavar="N",
+                   help="time each prompt N times plain and speculative side by side, for the slices' speedup "
+                        "intervals: from an endpoint against its reference at concurrency 1 (default 3; with "
+                        "--quick 2), offline at batch 1 (default 4; with --quick 3)")
+
+
+def _speed_repeats(args) -> int:
+    """--speed-repeats, else the default of the audit's size: 2 with --quick, 3 without."""
+    n = getattr(args, "speed_repeats", None)
+    return n if n is not None else 2 if getattr(args, "quick", False) else 3
 
 
 def cmd_endpoint_audit(args) -> int:
@@ -110,7 +120,7 @@ def cmd_endpoint_audit(args) -> int:
                                     null_repeats=args.null_repeats, sampled_tokens=args.sampled_tokens,
                                     previous=previous, score_with=args.score_with, only=tuple(getattr(args, "only", None) or ()),
                                     min_verified_drafts=getattr(args, "min_verified_drafts", MIN_VERIFIED_DRAFTS),
-                                    seed=seed)
+                                    seed=seed, speed_repeats=_speed_repeats(args))
     except EndpointError as e:
         print(f"verispec audit --endpoint: cannot audit: {e}", file=sys.stderr)
         return 2
@@ -131,7 +141,7 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
                        suite_size: int | None = None, alpha: float = NULL_ALPHA, null_repeats: int = 1,
                        sampled_tokens: int = 0, previous: dict | None = None, score_with: str = "auto",
                        only: tuple[str, ...] = (), min_verified_drafts: int = MIN_VERIFIED_DRAFTS,
-                       seed: int = 0) -> dict:
+                       seed: int = 0, speed_repeats: int = 3) -> dict:
     """Run the endpoint, its reference and the reference's null runs over the prompts; the
     report as a dict in the offline audit's format (audit.report.write_reports renders it).
 
@@ -152,9 +162,13 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
     draft tokens (its counters' difference over the phase) or the check is inconclusive.
     seed: the sampled phase's prompt order and the distribution check's tie-breaks (the
     prompts themselves are chosen by the caller: context.select_prompts); no seed is sent to
-    the server, whose own draws stay unseeded as a deployment's are."""
+    the server, whose own draws stay unseeded as a deployment's are. speed_repeats: how many
+    times each prompt is timed against the reference at concurrency 1 (the paired run's
+    level 1 and further paired runs), for the slices' speedup intervals."""
     if null_repeats < 1:
         raise ValueError(f"null_repeats must be >= 1, got {null_repeats}")
+    if speed_repeats < 1:
+        raise ValueError(f"speed_repeats must be >= 1, got {speed_repeats}")
     names = selectable(ENDPOINT)
     unknown = set(only) - set(names)
     if unknown:
@@ -187,7 +201,7 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
                       prompts=prompts, chat=chat, max_tokens=max_tokens, concurrency=concurrency,
                       suite_spec=suite_spec, suite_size=suite_size, started=started, alpha=alpha,
                       sampled_tokens=sampled_tokens, score_with=score_with,
-                      min_verified_drafts=min_verified_drafts, seed=seed)
+                      min_verified_drafts=min_verified_drafts, seed=seed, speed_repeats=speed_repeats)
     if greedy:
         a.greedy_runs(null_repeats)
     for check in checks:
