@@ -9,6 +9,7 @@ import torch
 
 from tests.tiny import native_from_hf, tiny_hf
 from verispec.audit.context import AuditConfig, AuditSizes
+from verispec.audit.floor import FloorBudget
 from verispec.audit.runner import run_audit
 from verispec.audit.suite import SuitePrompt
 from verispec.drafters.draft_model import DraftModelDrafter
@@ -19,7 +20,9 @@ EMBED_SCALE = 10.0
 
 TINY_SIZES = AuditSizes("tiny", prompts_per_slice=None, max_new_tokens=24, distribution_tokens=3000,
                         distribution_max_new=60, seeded_prompts=None, seeded_max_new=24, short_context=12,
-                        long_context=48, long_max_batch=None, load_rounds=1, load_steps=2)
+                        long_context=48, long_max_batch=None, load_rounds=1, load_steps=2,
+                        floor=FloorBudget(seeds=3, candidates=3, max_new_tokens=12, population=2, confirm=1,
+                                          repeats=2))
 
 
 class CharTokenizer:

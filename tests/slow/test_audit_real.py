@@ -33,4 +33,4 @@ def test_quick_audit_passes_on_defaults(tmp_path):
     seeded = next(c for c in report["checks"] if c["name"] == "seeded")
     assert seeded["figures"]["drafts_verified"] > 0 and seeded["figures"]["divergences"] == 0
     assert report["record"]["target"]["sha256"]  # the audited weights are identified
-    assert (out / "report.html").read_text().count("data:image/png;base64,") == 4
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 5

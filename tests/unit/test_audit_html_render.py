@@ -20,7 +20,7 @@ def test_report_renders_in_headless_chromium(tmp_path):
         report = tiny_audit(tiny_models()).to_dict()
     html = write_reports(report, tmp_path / "report")["html"]
     text = html.read_text()
-    assert text.count("src='data:image/png;base64,") == 4
+    assert text.count("src='data:image/png;base64,") == 5
     png = tmp_path / "shot.png"
     cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
            "--disable-background-networking", "--disable-component-update", "--disable-sync",

@@ -42,7 +42,7 @@ def test_markdown_has_headline_and_a_table_per_check(report):
         assert f"## {title}" in md, title
 
 
-def test_html_is_self_contained_with_four_plots(report):
+def test_html_is_self_contained_with_every_plot(report):
     page = render_html(report)
     imgs = re.findall(r"<img id='plot-(\w+)'[^>]*src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
     assert [name for name, _ in imgs] == plot_names()
@@ -69,7 +69,7 @@ def test_a_check_that_raised_still_renders(report, tmp_path):
     broken["verdict"], broken["failed_checks"] = "fail", ["distribution"]
     paths = write_reports(broken, tmp_path)
     assert "IndexError" in paths["md"].read_text()
-    assert paths["html"].read_text().count("data:image/png;base64,") == 4  # an empty PIT panel
+    assert paths["html"].read_text().count("data:image/png;base64,") == 5  # an empty PIT panel
 
 
 def test_each_check_says_how_many_drafts_it_verified(report):

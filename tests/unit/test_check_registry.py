@@ -61,8 +61,9 @@ def _seen_everywhere(report: dict, out, mode: str) -> None:
 def test_the_built_in_checks_are_one_list_in_report_order():
     names = [c.name for c in checks.REGISTRY]
     assert names == ["lossy-rule", "equivalence", "distribution", "seeded", "stopping", "drafter-consistency",
-                     "corruption", "slices", "load", "record"]
-    assert checks.selectable(ENDPOINT) == ("equivalence", "distribution", "corruption", "slices", "load")
+                     "corruption", "slices", "speedup-floor", "load", "record"]
+    assert checks.selectable(ENDPOINT) == ("equivalence", "distribution", "corruption", "slices", "speedup-floor",
+                                           "load")
     assert [c.name for c in checks.checks_for(ENGINE)] == names
     with pytest.raises(ValueError, match="already registered"):
         register(Check("equivalence"))

@@ -17,6 +17,7 @@ from ..verify import RULES
 from .checks import ENGINE, selectable
 from .faults import build as build_fault
 from .faults import parse as parse_fault
+from .floor import FloorBudget
 from .suite import SuitePrompt, slices
 
 DrafterFactory = Callable[[int, int], Any]  # (max_rows, max_len) -> a Drafter (see drafters/)
@@ -53,6 +54,8 @@ class AuditSizes:
     # slices' speedup intervals (audit/speed.py): the greedy runs' one and speed_repeats - 1
     # more, the order flipped repeat by repeat
     speed_repeats: int = 1
+    # what the speedup-floor search may spend (audit/floor.py); None: the quick budget
+    floor: FloorBudget | None = None
 
     def __post_init__(self):
         if min(self.max_new_tokens, self.distribution_max_new, self.probe_max_new) < 2:
@@ -68,7 +71,8 @@ class AuditSizes:
         return cls("quick", prompts_per_slice=2, max_new_tokens=24, distribution_tokens=2048,
                    distribution_max_new=64, seeded_prompts=8, seeded_max_new=24, short_context=100,
                    long_context=1000, long_max_batch=4, load_rounds=2, load_steps=3,
-                   probe_tokens=512, probe_masses=(0.8,), probe_max_new=32, speed_repeats=3)
+                   probe_tokens=512, probe_masses=(0.8,), probe_max_new=32, speed_repeats=3,
+                   floor=FloorBudget.quick())
 
     @classmethod
     def full(cls) -> "AuditSizes":
@@ -78,7 +82,8 @@ class AuditSizes:
         return cls("full", prompts_per_slice=None, max_new_tokens=40, distribution_tokens=6144,
                    distribution_max_new=96, seeded_prompts=32, seeded_max_new=32, short_context=100,
                    long_context=1000, long_max_batch=16, load_rounds=2, load_steps=4,
-                   probe_tokens=4096, probe_masses=(0.8, 0.9), probe_max_new=48, speed_repeats=4)
+                   probe_tokens=4096, probe_masses=(0.8, 0.9), probe_max_new=48, speed_repeats=4,
+                   floor=FloorBudget.full())
 
 
 @dataclass(frozen=True)
@@ -162,8 +167,13 @@ class AuditConfig:
     # the adaptive policy's cost model: read from (and, when measured, written to) the
     # machine's cost cache, as `generate` and `serve` do; False measures it afresh
     cost_cache: bool = False
+    # the speedup-floor check's gate: it fails when a confirmed prompt runs below this
+    # speedup with its whole interval below it (None: the floor is informational)
+    min_speedup: float | None = None
 
     def __post_init__(self):
+        if self.min_speedup is not None and not 0 < self.min_speedup < 100:
+            raise ValueError(f"min_speedup must be a speedup in (0, 100), got {self.min_speedup}")
         if self.rule not in RULES:
             raise ValueError(f"unknown verification rule {self.rule!r}; valid: {', '.join(RULES)}")
         if self.policy not in ("adaptive", "fixed"):
@@ -340,3 +350,7 @@ class AuditContext:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """A prompt's ids as the audit sends it: in the chat template where the audit uses one."""
+        return encode(self.tokenizer, text, self.chat)

@@ -11,7 +11,7 @@ seeds, stops and drafter, so they run offline only.
 from __future__ import annotations
 
 from ..verify import LOSSY_RULES
-from . import churn, consistency, corruption, distribution, equivalence, load, plots, record, seeded, speed, stopping
+from . import churn, consistency, corruption, distribution, equivalence, floor, load, plots, record, seeded, speed, stopping
 from .checks import ENDPOINT, ENGINE, Check, CheckResult, Section, register
 from .endpoint import checks as outside
 from .fmt import f as _f, pct as _pct, temps as _temps
@@ -268,3 +268,8 @@ register(Check("load", engine=lambda a: load.load_check(a.ctx), endpoint=outside
                plot=("load", "Speedup of speculative over plain decoding vs load, with 95% intervals", plots.load)))
 register(Check("record", engine=lambda a: record.record_check(a.record()), endpoint=outside.record_check,
                always=True))
+register(Check("speedup-floor", engine=lambda a: floor.engine_floor_check(a.ctx, a.ctx.config.min_speedup),
+               endpoint=lambda a: floor.endpoint_floor_check(a, a.min_speedup), headline=floor.headline,
+               sections=floor.sections,
+               plot=("floor", "Speedup per prompt: the suite, the search's edits, and the worst confirmed",
+                     floor.plot)), before="load")

@@ -106,6 +106,10 @@ def add_audit_parser(sub) -> None:
     a.add_argument("--only", type=_checks, default=(),
                    help="comma-separated checks to run (and lossy-rule, record): " + ", ".join(selectable(ENGINE))
                         + "; the verdict then covers only those")
+    a.add_argument("--min-speedup", type=_positive_float, default=None, metavar="X",
+                   help="make the speedup floor a gate: fail when a prompt the search finds runs below X "
+                        "times plain speed with its whole confidence interval below X (default: the floor is "
+                        "reported, not gated)")
     add_backend_argument(a)
     from ..audit.faults import argument as fault_argument
     a.add_argument("--inject-fault", type=fault_argument, default=None, help=argparse.SUPPRESS)
@@ -136,7 +140,8 @@ def config_from_args(args):
                        sizes=sizes,
                        seed=args.seed, settings=_settings(args), min_verified_drafts=args.min_verified_drafts,
                        prompt_format=args.prompt_format, inject_fault=args.inject_fault,
-                       fail_fast=args.fail_fast, only=args.only, cost_cache=not args.measure_costs)
+                       fail_fast=args.fail_fast, only=args.only, cost_cache=not args.measure_costs,
+                       min_speedup=args.min_speedup)
 
 
 def cmd_audit(args) -> int:

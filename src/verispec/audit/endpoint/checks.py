@@ -10,6 +10,7 @@ import random
 import re
 import sys
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import httpx
 
@@ -75,6 +76,12 @@ class EndpointAudit:
     # timings per prompt of the endpoint and its reference side by side at concurrency 1, for
     # the slices' speedup intervals: the paired run's level 1 and speed_repeats - 1 more
     speed_repeats: int = 1
+    # the speedup-floor check (audit/floor.py): its gate (None: informational), its budget
+    # (None: the quick one) and the whole suite it starts from (None: the audited prompts)
+    min_speedup: float | None = None
+    floor_budget: Any = None
+    suite: list | None = None
+    floor_run: EndpointRun | None = None  # what the floor's search talked to (no levels): the record's
     run: EndpointRun | None = None  # the endpoint at every level
     base: EndpointRun | None = None  # the reference at concurrency 1
     null_run: EndpointRun | None = None
@@ -171,7 +178,7 @@ def load_check(a: EndpointAudit) -> CheckResult:
 
 
 def record_check(a: EndpointAudit) -> CheckResult:
-    record = _record(a.run or a.srun, a.reference, a.info, a.ref_info, a.reference_kind, a.prompts, a.chat,
+    record = _record(a.run or a.srun or a.floor_run, a.reference, a.info, a.ref_info, a.reference_kind, a.prompts, a.chat,
                      a.max_tokens, a.concurrency, a.suite_spec, a.suite_size, a.started)
     record["suite"]["audit_seed"] = a.seed  # the prompts chosen, the sampled phase's order, the tie-breaks
     record["suite"]["prompt_ids"] = [p.id for p in a.prompts]
@@ -181,7 +188,7 @@ def record_check(a: EndpointAudit) -> CheckResult:
                                                     "audit_seed": a.seed,
                                                     "top_logprobs": dist.figures["top_logprobs"]}
     a.record = record
-    audited = a.run or a.srun
+    audited = a.run or a.srun or a.floor_run
     info = a.info
     return _check("record", True, f"endpoint {audited.url} ({info.kind} {info.version or 'version unknown'}), "
                                   f"model {audited.model}; {len(record['retest_triggers'])} re-test triggers",

@@ -35,6 +35,7 @@ from .client import EndpointConfig
 from .compare import CompareError, comparison_check, compare_reports, load_report
 from .kinds import probe
 from .null import ALPHA as NULL_ALPHA
+from ..floor import FloorBudget
 
 
 def _concurrency(s: str) -> tuple[int, ...]:
@@ -120,7 +121,9 @@ def cmd_endpoint_audit(args) -> int:
                                     null_repeats=args.null_repeats, sampled_tokens=args.sampled_tokens,
                                     previous=previous, score_with=args.score_with, only=tuple(getattr(args, "only", None) or ()),
                                     min_verified_drafts=getattr(args, "min_verified_drafts", MIN_VERIFIED_DRAFTS),
-                                    seed=seed, speed_repeats=_speed_repeats(args))
+                                    seed=seed, speed_repeats=_speed_repeats(args),
+                                    min_speedup=getattr(args, "min_speedup", None),
+                                    quick=bool(getattr(args, "quick", False)), suite=suite)
     except EndpointError as e:
         print(f"verispec audit --endpoint: cannot audit: {e}", file=sys.stderr)
         return 2
@@ -141,7 +144,8 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
                        suite_size: int | None = None, alpha: float = NULL_ALPHA, null_repeats: int = 1,
                        sampled_tokens: int = 0, previous: dict | None = None, score_with: str = "auto",
                        only: tuple[str, ...] = (), min_verified_drafts: int = MIN_VERIFIED_DRAFTS,
-                       seed: int = 0, speed_repeats: int = 3) -> dict:
+                       seed: int = 0, speed_repeats: int = 3, min_speedup: float | None = None,
+                       quick: bool = True, suite: list | None = None) -> dict:
     """Run the endpoint, its reference and the reference's null runs over the prompts; the
     report as a dict in the offline audit's format (audit.report.write_reports renders it).
 
@@ -164,7 +168,9 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
     prompts themselves are chosen by the caller: context.select_prompts); no seed is sent to
     the server, whose own draws stay unseeded as a deployment's are. speed_repeats: how many
     times each prompt is timed against the reference at concurrency 1 (the paired run's
-    level 1 and further paired runs), for the slices' speedup intervals."""
+    level 1 and further paired runs), for the slices' speedup intervals. min_speedup: the
+    speedup-floor check's gate (None: informational); quick: its quick budget, else the full
+    one; suite: the prompts its search starts from (None: `prompts`)."""
     if null_repeats < 1:
         raise ValueError(f"null_repeats must be >= 1, got {null_repeats}")
     if speed_repeats < 1:
@@ -195,13 +201,15 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
         ref_cfg = None
         reference_kind = ("none: the endpoint's own answers at concurrency 1 (load invariance only; "
                           "speculation cannot be separated from batching numerics)")
-    if not greedy and not sampled_tokens:
+    if not greedy and not sampled_tokens and not (wanted - {"distribution"}):
         raise EndpointError("--only distribution with --sampled-tokens 0: nothing to run")
     a = EndpointAudit(info=info, ref_info=ref_info, cfg=cfg, ref_cfg=ref_cfg, reference_kind=reference_kind,
                       prompts=prompts, chat=chat, max_tokens=max_tokens, concurrency=concurrency,
                       suite_spec=suite_spec, suite_size=suite_size, started=started, alpha=alpha,
                       sampled_tokens=sampled_tokens, score_with=score_with,
-                      min_verified_drafts=min_verified_drafts, seed=seed, speed_repeats=speed_repeats)
+                      min_verified_drafts=min_verified_drafts, seed=seed, speed_repeats=speed_repeats,
+                      min_speedup=min_speedup, floor_budget=FloorBudget.quick() if quick else FloorBudget.full(),
+                      suite=suite)
     if greedy:
         a.greedy_runs(null_repeats)
     for check in checks:
