@@ -24,6 +24,7 @@ import shlex
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +34,7 @@ from endpoint_llama_cpp import gguf  # noqa: E402
 from tests.llama_server import NGRAM as LLAMA_NGRAM, LlamaServer  # noqa: E402
 from verispec.audit.context import select_prompts  # noqa: E402
 from verispec.audit.endpoint.runner import run_endpoint_audit  # noqa: E402
+from verispec.audit.floor import FloorBudget  # noqa: E402
 from verispec.audit.report import write_reports  # noqa: E402
 from verispec.audit.suite import load_suite  # noqa: E402
 
@@ -60,18 +62,28 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-speedup", type=float, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--settle", type=float, default=None,
+                    help="seconds of pause before each timed request (default: 2 for vLLM, whose worker spins "
+                         "on after a request and slows the other server's next one; 0 for llama.cpp)")
+    ap.add_argument("--pairs", type=int, default=None,
+                    help="side-by-side pairs per confirmed prompt (default: the budget's)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # leave through the `with`: servers stopped
     out = Path(args.out or f"/tmp/floor-{args.kind}")
     command = "python benchmarks/floor_peers.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     suite = load_suite("default")
     prompts = select_prompts(suite, 2 if args.budget == "quick" else None, args.seed)
+    budget = FloorBudget.quick() if args.budget == "quick" else FloorBudget.full()
+    if args.pairs:
+        budget = replace(budget, repeats=args.pairs)
     t0 = time.monotonic()
     plain, spec = servers(args.kind, args.threads)
     with plain, spec:
         report = run_endpoint_audit(spec.url, prompts, reference_url=plain.url, only=("speedup-floor",),
                                     sampled_tokens=0, seed=args.seed, min_speedup=args.min_speedup,
-                                    quick=args.budget == "quick", suite=suite)
+                                    quick=args.budget == "quick", suite=suite, floor_budget=budget,
+                                    floor_settle_s=args.settle if args.settle is not None else
+                                    (2.0 if args.kind.startswith("vllm") else 0.0))
         report["record"]["launch"] = {"plain": plain.cmd, "speculative": spec.cmd}
     report["record"]["command"] = command
     report["record"]["machine_load"] = {"after": list(os.getloadavg()), "cpus": os.cpu_count(),

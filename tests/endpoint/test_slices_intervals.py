@@ -5,13 +5,10 @@ that acceptance cannot explain reported as noise. The servers are stand-ins (Fas
 answer as vLLM and llama.cpp do."""
 
 import argparse
-import asyncio
-import json
 
 import pytest
-from fastapi import FastAPI, Request
-from starlette.responses import PlainTextResponse, StreamingResponse
 
+from tests.endpoint.fake_vllm import fake_vllm
 from tests.endpoint.test_fake_llama_cpp import fake_llama_server, _serve
 from verispec.audit.endpoint.client import EndpointClient, EndpointConfig, audit_paired
 from verispec.audit.endpoint.runner import _speed_repeats, add_endpoint_arguments, run_endpoint_audit
@@ -25,56 +22,19 @@ ACCEPTED = {"drafts": 6, "misses": 0}
 PROMPTS = [SuitePrompt(f"p{i}", ("drafts", "misses")[i % 2], f"alpha beta {i}") for i in range(8)]
 
 
-def fake_vllm(speculative: bool, delay_s: float) -> FastAPI:
-    """vLLM as it answers: no speculative fields in a response, the spec_decode counters in
-    /metrics (only with speculation), updated once a request has finished. Every answer
-    takes delay_s, whatever the slice."""
-    app = FastAPI()
-    counts = {"gen": 0, "drafts": 0, "draft": 0, "accepted": 0}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "vllm"}]}
-
-    @app.get("/metrics")
-    async def metrics():
-        lines = ["# TYPE vllm:generation_tokens_total counter",
-                 f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {counts["gen"]}']
-        if speculative:
-            for name, key in (("num_drafts", "drafts"), ("num_draft_tokens", "draft"),
-                              ("num_accepted_tokens", "accepted")):
-                lines += [f"# TYPE vllm:spec_decode_{name}_total counter",
-                          f'vllm:spec_decode_{name}_total{{engine="0",model_name="m"}} {counts[key]}']
-        return PlainTextResponse("\n".join(lines) + "\n")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await request.json()
-        prompt = body["messages"][-1]["content"]
+def behaviour(delay_s: float):
+    """Every answer takes delay_s, whatever the slice; the slice decides what is accepted."""
+    def behave(prompt: str):
         slice_ = "drafts" if int(prompt.split()[-1]) % 2 == 0 else "misses"
-
-        async def events():
-            await asyncio.sleep(delay_s)
-            for w in (prompt.split() * 3)[:TOKENS]:
-                yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": w + " "}}]}) + "\n\n"
-            counts["gen"] += TOKENS
-            if speculative:
-                counts.update(drafts=counts["drafts"] + STEPS, draft=counts["draft"] + 6,
-                              accepted=counts["accepted"] + ACCEPTED[slice_])
-            yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}) + "\n\n"
-            yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 3,
-                                                                 "completion_tokens": TOKENS}}) + "\n\n"
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    return app
+        return delay_s, STEPS, 6, ACCEPTED[slice_]
+    return behave
 
 
 @pytest.fixture(scope="module")
 def vllm_servers():
     # the endpoint answers in half the reference's time on every slice: on "misses" no draft
     # is kept, so that speedup is not speculation's doing
-    started = [_serve(fake_vllm(True, 0.02)), _serve(fake_vllm(False, 0.04))]
+    started = [_serve(fake_vllm(True, behaviour(0.02), TOKENS)), _serve(fake_vllm(False, behaviour(0.04), TOKENS))]
     yield started[0][3], started[1][3]
     for server, t, sock, _ in started:
         server.should_exit = True

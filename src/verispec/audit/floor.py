@@ -407,7 +407,7 @@ def engine_floor_check(ctx, min_speedup: float | None = None, budget: FloorBudge
 class EndpointSubject(Subject):
     """An OpenAI-compatible server and its plain reference, requests one at a time."""
 
-    def __init__(self, cfg, ref_cfg, budget: FloorBudget):
+    def __init__(self, cfg, ref_cfg, budget: FloorBudget, settle_s: float = 0.0):
         from .endpoint.client import EndpointClient
         self.loop = asyncio.new_event_loop()
         one = dict(concurrency=(1,), max_tokens=budget.max_new_tokens, temperature=0.0)
@@ -423,9 +423,14 @@ class EndpointSubject(Subject):
         self.score_model = self.models[False]
         self.acceptance_source = "not yet known"
         self._texts: dict[str, str] = {}
+        # a pause before each timed request: a server that keeps spinning after its answer
+        # (vLLM's CPU worker) would otherwise slow whichever request follows it, an order
+        # effect that alternation turns into noise instead of removing
+        self.settle_s = settle_s
         self._counted = True  # scrape /metrics around each request until a response carries its own figures
 
     def _complete(self, side: bool, c: Candidate):
+        time.sleep(self.settle_s)
         return self.loop.run_until_complete(self.sides[side].complete(self.models[side], c.id, c.slice, c.text))
 
     def _metered(self, c: Candidate):
@@ -435,6 +440,7 @@ class EndpointSubject(Subject):
         client, scraper = self.sides[True], self.scraper
 
         async def go():
+            await asyncio.sleep(self.settle_s)
             before = _counters(await scraper.metrics()) if self._counted else None
             r = await client.complete(self.models[True], c.id, c.slice, c.text)
             info = r.server_info
@@ -511,11 +517,12 @@ def endpoint_floor_check(a, min_speedup: float | None = None, budget: FloorBudge
         return CheckResult("speedup-floor", True, "not run: no plain reference to time against "
                            "(--reference-endpoint)", {"floor": None}, informational=True)
     budget = budget or a.floor_budget or FloorBudget.quick()
-    subject = EndpointSubject(a.cfg, a.ref_cfg, budget)
+    subject = EndpointSubject(a.cfg, a.ref_cfg, budget, a.floor_settle_s)
     a.floor_run = EndpointRun(a.cfg.base, subject.models[True], a.info.kind, False, [])
     describe = {"seeds": list(a.suite or a.prompts), "mode": "endpoint",
                 "endpoint": a.cfg.base, "reference": a.reference_kind, "batch": 1,
-                "timing": "end to end per streamed request, endpoint and reference in alternating order"}
+                "timing": "end to end per streamed request, endpoint and reference in alternating order"
+                          + (f", {a.floor_settle_s:g} s pause before each" if a.floor_settle_s else "")}
     return floor_result(subject, budget, a.seed, _StageLines(), min_speedup, describe)
 
 

@@ -81,6 +81,7 @@ class EndpointAudit:
     min_speedup: float | None = None
     floor_budget: Any = None
     suite: list | None = None
+    floor_settle_s: float = 0.0  # the floor's pause before each timed request (floor.EndpointSubject)
     floor_run: EndpointRun | None = None  # what the floor's search talked to (no levels): the record's
     run: EndpointRun | None = None  # the endpoint at every level
     base: EndpointRun | None = None  # the reference at concurrency 1

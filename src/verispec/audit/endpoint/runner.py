@@ -145,7 +145,8 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
                        sampled_tokens: int = 0, previous: dict | None = None, score_with: str = "auto",
                        only: tuple[str, ...] = (), min_verified_drafts: int = MIN_VERIFIED_DRAFTS,
                        seed: int = 0, speed_repeats: int = 3, min_speedup: float | None = None,
-                       quick: bool = True, suite: list | None = None) -> dict:
+                       quick: bool = True, suite: list | None = None, floor_budget: FloorBudget | None = None,
+                       floor_settle_s: float = 0.0) -> dict:
     """Run the endpoint, its reference and the reference's null runs over the prompts; the
     report as a dict in the offline audit's format (audit.report.write_reports renders it).
 
@@ -170,7 +171,9 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
     times each prompt is timed against the reference at concurrency 1 (the paired run's
     level 1 and further paired runs), for the slices' speedup intervals. min_speedup: the
     speedup-floor check's gate (None: informational); quick: its quick budget, else the full
-    one; suite: the prompts its search starts from (None: `prompts`)."""
+    one (floor_budget: another); suite: the prompts its search starts from (None: `prompts`);
+    floor_settle_s: its pause before each timed request, for servers that keep the cores busy
+    for a while after a request (vLLM's CPU worker)."""
     if null_repeats < 1:
         raise ValueError(f"null_repeats must be >= 1, got {null_repeats}")
     if speed_repeats < 1:
@@ -208,8 +211,9 @@ def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = N
                       suite_spec=suite_spec, suite_size=suite_size, started=started, alpha=alpha,
                       sampled_tokens=sampled_tokens, score_with=score_with,
                       min_verified_drafts=min_verified_drafts, seed=seed, speed_repeats=speed_repeats,
-                      min_speedup=min_speedup, floor_budget=FloorBudget.quick() if quick else FloorBudget.full(),
-                      suite=suite)
+                      min_speedup=min_speedup,
+                      floor_budget=floor_budget or (FloorBudget.quick() if quick else FloorBudget.full()),
+                      suite=suite, floor_settle_s=floor_settle_s)
     if greedy:
         a.greedy_runs(null_repeats)
     for check in checks:
