@@ -8,7 +8,8 @@ import pytest
 
 from verispec.audit.suite import SuitePrompt, load_suite, slices
 
-EXPECTED_SLICES = ["code", "math", "chat", "summarisation", "translation", "json", "html", "adversarial"]
+EXPECTED_SLICES = ["code", "math", "chat", "summarisation", "translation", "json", "html", "string-copying",
+                   "adversarial"]
 
 
 def _write(path, lines):
@@ -122,3 +123,16 @@ def test_select_prompts_default_seed_takes_each_slices_first_and_other_seeds_sam
     others = [[p.id for p in select_prompts(suite, 2, seed=s)] for s in range(1, 6)]
     assert any(o != [p.id for p in first] for o in others)  # the seed chooses other prompts
     assert select_prompts(suite, None, seed=3) == list(suite)
+
+
+def test_the_adversarial_slice_says_how_each_prompt_was_made():
+    """Made by the speedup-floor search (benchmarks/adversarial_slice.py) against each
+    built-in drafter: every line names its drafter, search seed, budget and edits."""
+    from importlib import resources
+
+    text = resources.files("verispec.data").joinpath("suite_default.jsonl").read_text(encoding="utf-8")
+    made = [json.loads(line)["made_by"] for line in text.splitlines() if json.loads(line)["slice"] == "adversarial"]
+    assert len(made) >= 10
+    assert all(m["search"] == "speedup-floor" and m["edits"] and m["budget"] and m["seed"] is not None for m in made)
+    drafters = {m["drafter"].split(":")[0] for m in made}
+    assert {"lookup", "layerskip"} <= drafters and drafters - {"lookup", "layerskip"}  # and a draft model
