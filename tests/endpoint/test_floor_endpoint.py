@@ -86,3 +86,15 @@ def test_without_a_reference_the_floor_says_why_not(servers):
     report = run_endpoint_audit(spec, PROMPTS, only=("speedup-floor",), sampled_tokens=0)
     f = floor_of(report)
     assert f["passed"] and "no plain reference" in f["summary"]
+
+
+def test_floor_settle_is_checked_at_the_edge():
+    import argparse
+
+    from verispec.audit.endpoint.runner import add_endpoint_arguments
+    ap = argparse.ArgumentParser()
+    add_endpoint_arguments(ap)
+    assert ap.parse_args(["--floor-settle", "2"]).floor_settle == 2.0
+    for bad in ("-1", "x", "61"):
+        with pytest.raises(SystemExit):
+            ap.parse_args(["--floor-settle", bad])

@@ -62,6 +62,17 @@ def _int_at_least(low: int):
     return parse
 
 
+def _seconds(s: str) -> float:
+    import argparse
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {s!r}") from None
+    if not 0 <= v <= 60:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 60 seconds, got {v:g}")
+    return v
+
+
 def add_endpoint_arguments(a) -> None:
     """The endpoint options of `verispec audit` (with --suite, --out, --quick of the audit)."""
     a.add_argument("--endpoint", default=None,
@@ -86,6 +97,9 @@ def add_endpoint_arguments(a) -> None:
     a.add_argument("--compare-to", default=None, metavar="OLD/report.json",
                    help="compare with an earlier endpoint audit: changed re-test triggers, moved acceptance and "
                         "speedup; exit 1 when equivalence got worse or a speedup fell beyond its noise")
+    a.add_argument("--floor-settle", type=_seconds, default=0.0, metavar="SECONDS",
+                   help="speedup floor: pause this long before each timed request (vLLM's CPU worker spins on "
+                        "after an answer and slows whichever request follows; 2 s suffices there; default 0)")
     a.add_argument("--null-repeats", type=_int_at_least(1), default=1,
                    help="run the null (reference vs itself) this many times, pooled (default 1)")
     a.add_argument("--speed-repeats", type=_int_at_least(1), default=None, metavar="N",
@@ -123,7 +137,8 @@ def cmd_endpoint_audit(args) -> int:
                                     min_verified_drafts=getattr(args, "min_verified_drafts", MIN_VERIFIED_DRAFTS),
                                     seed=seed, speed_repeats=_speed_repeats(args),
                                     min_speedup=getattr(args, "min_speedup", None),
-                                    quick=bool(getattr(args, "quick", False)), suite=suite)
+                                    quick=bool(getattr(args, "quick", False)), suite=suite,
+                                    floor_settle_s=args.floor_settle)
     except EndpointError as e:
         print(f"verispec audit --endpoint: cannot audit: {e}", file=sys.stderr)
         return 2
