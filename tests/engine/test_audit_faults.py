@@ -15,7 +15,7 @@ from verispec.audit.faults import EXPECTED_CHECK, FAULTS, build
 
 CAUGHT_BY = EXPECTED_CHECK  # the check that must catch each fault (others may fail too)
 CHECKS = ["lossy-rule", "equivalence", "distribution", "seeded", "stopping", "drafter-consistency", "corruption", "slices",
-          "load", "record"]
+          "speedup-floor", "load", "record"]
 
 
 @pytest.fixture(scope="module", autouse=True)

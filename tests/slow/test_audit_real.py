@@ -25,7 +25,7 @@ def test_quick_audit_passes_on_defaults(tmp_path):
     assert report["verdict"] == "pass" and report["failed_checks"] == []
     names = [c["name"] for c in report["checks"]]
     assert names == ["lossy-rule", "equivalence", "distribution", "seeded", "stopping", "drafter-consistency",
-                     "corruption", "slices", "load", "record"]
+                     "corruption", "slices", "speedup-floor", "load", "record"]
     dist = next(c for c in report["checks"] if c["name"] == "distribution")
     assert dist["figures"]["n"] >= 2000
     # no vacuous pass: the checks say how many drafts they verified, and enough were
