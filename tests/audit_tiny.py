@@ -63,7 +63,8 @@ def tiny_models():
 
 
 def tiny_drafter_factory(models, kind: str = "draft-model"):
-    """(max_rows, max_len) -> a drafter: the noisy draft copy, prompt lookup or layer-skip."""
+    """(max_rows, max_len) -> a drafter: the noisy draft copy, prompt lookup, suffix decoding
+    or layer-skip."""
     from verispec.drafters.layerskip import LayerSkipDrafter
     from verispec.drafters.lookup import PromptLookupDrafter
     target, draft = models
@@ -73,6 +74,9 @@ def tiny_drafter_factory(models, kind: str = "draft-model"):
         return lambda rows, max_len: PromptLookupDrafter(3)
     if kind == "layerskip":
         return lambda rows, max_len: LayerSkipDrafter(target, 1)
+    if kind.startswith("suffix"):  # "suffix[:options]", as --draft takes it
+        from verispec.drafters.suffix import SuffixDrafter, SuffixSettings
+        return lambda rows, max_len: SuffixDrafter(SuffixSettings.parse(kind.partition(":")[2]))
     raise ValueError(kind)
 
 

@@ -114,10 +114,16 @@ def test_fault_fails_the_audit_with_each_drafter(models, tmp_path, fault, drafte
         assert bonus == [] or bonus[0] < 150, bonus
 
 
-@pytest.mark.parametrize("drafter", ["lookup", "layerskip"])
+@pytest.mark.parametrize("drafter", ["lookup", "layerskip", "suffix", "suffix:cache=0"])
 def test_audit_passes_without_fault_with_each_drafter(models, tmp_path, drafter):
     report = _report(tiny_audit(models, drafter=drafter), tmp_path)
     assert report["verdict"] == "pass", [c["summary"] for c in report["checks"] if not c["passed"]]
+    if drafter.startswith("suffix"):
+        cons = next(c for c in report["checks"] if c["name"] == "drafter-consistency")
+        if drafter == "suffix":  # its drafts depend on the requests before: nothing to replay
+            assert cons["figures"]["applicable"] is False
+        else:  # its own trie alone: every draft recomputed from the request's prefixes
+            assert cons["figures"]["positions_compared"] > 100 and cons["figures"]["mismatches"] == 0
 
 
 def test_relaxed_acceptance_takes_its_factor():

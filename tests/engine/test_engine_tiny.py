@@ -8,6 +8,7 @@ from tests.tiny import assert_varied, native_from_hf, tiny_hf
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.layerskip import LayerSkipDrafter
 from verispec.drafters.lookup import PromptLookupDrafter
+from verispec.drafters.suffix import SuffixDrafter, SuffixSettings
 from verispec.engine import Engine, EngineConfig, GenerationParams, Request
 from verispec.policy import FixedK
 
@@ -73,14 +74,16 @@ def test_plain_matches_hf(models, reference, batch):
     assert [r.output_ids for r in reqs] == refs
 
 
-@pytest.mark.parametrize("drafter_name", ["draft", "layerskip", "lookup"])
+@pytest.mark.parametrize("drafter_name", ["draft", "layerskip", "lookup", "suffix"])
 @pytest.mark.parametrize("batch,k", [(1, 3), (4, 2), (8, 5), (16, 4)])
 def test_speculative_matches_hf(models, reference, drafter_name, batch, k):
     _, target, draft = models
     prompts, max_new, refs = reference
     drafter = {"draft": lambda: DraftModelDrafter(draft, V, max_rows=batch, max_len=128),
                "layerskip": lambda: LayerSkipDrafter(target, 2),
-               "lookup": lambda: PromptLookupDrafter(3)}[drafter_name]()
+               "lookup": lambda: PromptLookupDrafter(3),
+               # a short walk floor, so that drafts from the global cache (earlier requests) run too
+               "suffix": lambda: SuffixDrafter(SuffixSettings(min_token_prob=0.0))}[drafter_name]()
     eng = Engine(target, drafter, FixedK(k), EngineConfig(max_batch=batch, max_len=128))
     reqs = _run(eng, prompts, max_new)
     assert [r.output_ids for r in reqs] == refs
@@ -88,6 +91,8 @@ def test_speculative_matches_hf(models, reference, drafter_name, batch, k):
     drafted = sum(r.stats.drafted for r in reqs)
     accepted = sum(r.stats.accepted for r in reqs)
     assert drafted > 0
+    if drafter_name == "suffix":
+        assert drafter.cache.stats()["sequences"] == len(prompts)  # every finished request was learnt
     if drafter_name == "draft":
         assert 0 < accepted < drafted  # the ragged case really happened
 

@@ -12,6 +12,7 @@ from tests.engine.test_engine_tiny import V, _prompts
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.layerskip import LayerSkipDrafter
 from verispec.drafters.lookup import PromptLookupDrafter
+from verispec.drafters.suffix import SuffixDrafter, SuffixSettings
 from verispec.engine import Engine, EngineConfig, GenerationParams, Request
 from verispec.policy import AdaptiveConfig, FixedK
 from verispec.policy.adaptive import AdaptivePolicy, CostModel
@@ -68,23 +69,24 @@ def _drafter(kind, models, batch):
     target, draft = models
     return {"draft": lambda: DraftModelDrafter(draft, V, max_rows=batch, max_len=140),
             "layerskip": lambda: LayerSkipDrafter(target, 2),
-            "lookup": lambda: PromptLookupDrafter(2)}[kind]()
+            "lookup": lambda: PromptLookupDrafter(2),
+            "suffix": lambda: SuffixDrafter(SuffixSettings(min_token_prob=0.0))}[kind]()
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 @pytest.mark.parametrize("batch", [1, 8, 32])
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
-@pytest.mark.parametrize("kind", ["draft", "layerskip", "lookup"])
+@pytest.mark.parametrize("kind", ["draft", "layerskip", "lookup", "suffix"])
 def test_seeded_output_is_independent_of_speculation(models, plain, kind, policy, batch, temperature):
     d = _drafter(kind, models, batch)
     if policy == "fixed":
         pol = FixedK(3)
     else:
-        pol = AdaptivePolicy(HALTING, max_k=4) if kind != "lookup" else AdaptivePolicy(PAYING, max_k=4, config=EAGER)
+        pol = AdaptivePolicy(HALTING, max_k=4) if kind not in ("lookup", "suffix") else AdaptivePolicy(PAYING, max_k=4, config=EAGER)
     reqs = _run(models[0], d, pol, batch, temperature)
     assert [r.output_ids for r in reqs] == plain[temperature]
     drafted, accepted = sum(r.stats.drafted for r in reqs), sum(r.stats.accepted for r in reqs)
-    assert drafted > 0 and (accepted > 0 or kind == "lookup"), "the check must exercise speculation"
+    assert drafted > 0 and (accepted > 0 or kind in ("lookup", "suffix")), "the check must exercise speculation"
 
 
 def test_seeded_plain_is_batch_and_rule_independent(models, plain):

@@ -12,6 +12,7 @@ import torch
 from tests.tiny import native_from_hf, tiny_hf
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.lookup import PromptLookupDrafter
+from verispec.drafters.suffix import SuffixDrafter, SuffixSettings
 from verispec.engine import Engine, EngineConfig, GenerationParams, Request
 from verispec.policy import FixedK
 from verispec.sampling import SamplingParams
@@ -93,7 +94,7 @@ class SlowTarget:
 
 
 def make_state(drafter: str | None = "draft", k: int = 3, max_batch: int = 8, max_len: int = 256,
-               max_queue: int = 16, api_key: str | None = None, rule: str = "rejection",
+               max_queue: int = 16, api_key: str | tuple[str, ...] | None = None, rule: str = "rejection",
                delay_s: float = 0.0, model: str = "target", policy: str = "fixed",
                metrics_public: bool = False, drain_timeout_s: float = 30.0) -> ServerState:
     """model "draft" serves the draft model as the target: a server that answers differently.
@@ -102,17 +103,20 @@ def make_state(drafter: str | None = "draft", k: int = 3, max_batch: int = 8, ma
     target = target_model() if model == "target" else draft_model()
     target = target if not delay_s else SlowTarget(target, delay_s)
     d = {"draft": lambda: DraftModelDrafter(draft_model(), V, max_rows=max_batch, max_len=max_len + k + 2),
-         "lookup": lambda: PromptLookupDrafter(3), None: lambda: None}[drafter]()
+         "lookup": lambda: PromptLookupDrafter(3), None: lambda: None,
+         "suffix": lambda: SuffixDrafter(SuffixSettings(min_token_prob=0.0))}[drafter]()
     if policy == "adaptive" and d is not None:
         from verispec.policy.adaptive import AdaptivePolicy, CostModel
         costs = CostModel.from_total_tokens((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (0.15, 0.25),
-                                            halts=drafter == "draft", draft_free=drafter == "lookup")
+                                            halts=drafter == "draft", draft_free=drafter in ("lookup", "suffix"))
         pol = AdaptivePolicy(costs, max_k=k)
     else:
         pol = FixedK(k if d is not None else 0)
     engine = Engine(target, d, pol,
                     EngineConfig(max_batch=max_batch, max_len=max_len, rule=rule))
-    return ServerState(engine, CharTokenizer(), ServerConfig(model_name=MODEL, api_key=api_key,
+    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+    return ServerState(engine, CharTokenizer(), ServerConfig(model_name=MODEL, api_key=keys[0] if keys else None,
+                                                             more_api_keys=keys[1:],
                                                              metrics_public=metrics_public,
                                                              max_queue=max_queue, drafter=drafter,
                                                              drain_timeout_s=drain_timeout_s))

@@ -7,7 +7,7 @@ import pytest
 
 from tests.server.helpers import LiveServer, make_state
 from verispec.cli import UsageError, build_parser, main
-from verispec.cli.serve import ENV_API_KEY, resolve_api_key
+from verispec.cli.serve import ENV_API_KEY, resolve_api_key, resolve_api_keys
 
 KEY = "sk-auth-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -48,6 +48,14 @@ def test_key_sources_and_precedence(tmp_path):
     assert resolve_api_key(_args("--api-key", "sk-argv"), env) == ("sk-argv", "--api-key")
     assert resolve_api_key(_args("--api-key-file", str(f)), env) == ("sk-from-file", "--api-key-file")
     assert _args().metrics_public is False and _args("--metrics-public").metrics_public is True
+    # several keys, one tenant each, separated by commas (as llama-server takes them)
+    f.write_text("sk-a, sk-b\n")
+    assert resolve_api_keys(_args("--api-key-file", str(f)), {}) == (["sk-a", "sk-b"], "--api-key-file")
+    assert resolve_api_keys(_args("--api-key", "sk-a,sk-b,sk-c"), {})[0] == ["sk-a", "sk-b", "sk-c"]
+    assert resolve_api_keys(_args(), {ENV_API_KEY: "sk-a,sk-b"})[0] == ["sk-a", "sk-b"]
+    for bad, match in (("sk-a,,sk-b", "empty"), ("sk-a,sk-a", "twice"), ("sk-a,", "empty")):
+        with pytest.raises(UsageError, match=match):
+            resolve_api_keys(_args("--api-key", bad), {})
 
 
 @pytest.mark.parametrize("setup,match", [

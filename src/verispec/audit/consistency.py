@@ -9,6 +9,8 @@ and compare, over the accepted drafts plus the first rejected one (later drafts 
 conditioned on a rejected token and cannot be recomputed from the final sequence):
 
 * prompt lookup: `lookup_continuation` on the prefix (exact, integer logic);
+* suffix decoding without its global cache: a fresh request trie fed the same prefixes
+  (exact; with the global cache a draft depends on earlier requests and is not replayed);
 * layer-skip: the target's first N layers + final norm + head, teacher-forced;
 * draft model: the draft model, teacher-forced; greedy drafts are its argmax.
 
@@ -19,7 +21,7 @@ TIE_MARGIN on an fp32 backend, the measured batching noise on a noisy one (tie_m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..drafters.lookup import lookup_continuation
 from .checks import CheckResult
@@ -31,8 +33,9 @@ MAX_LISTED = 20
 
 @dataclass(frozen=True)
 class Oracle:
-    kind: str  # "lookup" | "model"
+    kind: str  # "lookup" | "suffix" | "model"
     max_ngram: int = 0  # lookup
+    suffix: object = None  # suffix: drafters.suffix.SuffixSettings (no global cache)
     model: object = None  # model: the CausalLM whose argmax a greedy draft is
     num_layers: int | None = None  # layer-skip depth
 
@@ -43,6 +46,8 @@ def oracle_for(drafter, target_model) -> Oracle | None:
     first layers. None: nothing to recompute its drafts from."""
     if drafter.lookup_ngram is not None:
         return Oracle("lookup", max_ngram=drafter.lookup_ngram)
+    if getattr(drafter, "replayable", False):  # suffix decoding without its global cache
+        return Oracle("suffix", suffix=drafter.settings)
     if drafter.draft_layers is not None:
         return Oracle("model", model=target_model, num_layers=drafter.draft_layers)
     if drafter.draft_model is not None:
@@ -65,10 +70,20 @@ def check_request(oracle: Oracle, req, k: int, logits_cache: dict,
             logits_cache[key] = (lg, lg.argmax(-1).tolist())  # sync: one transfer per sequence
         logits, best = logits_cache[key]
     compared, ties, bad = 0, 0, []
+    replay = None
+    if oracle.kind == "suffix":  # one trie per request, fed as its prefixes grow
+        from ..drafters.suffix import SuffixDrafter
+        replay = SuffixDrafter(replace(oracle.suffix, cache_nodes=0))
+        replay.admit([0], [full[:P]])
     for step, (n0, drafted, acc, asked) in enumerate(req.stats.trace):
         k_eff = min(asked, k)  # what the engine asked the drafter for (policy choice, capped)
-        if oracle.kind == "lookup":
-            expected = lookup_continuation(full[:n0], k_eff, oracle.max_ngram) if k_eff else []
+        if oracle.kind in ("lookup", "suffix"):
+            if not k_eff:
+                expected = []
+            elif replay is not None:
+                expected = replay.continuation(0, full[:n0], k_eff)
+            else:
+                expected = lookup_continuation(full[:n0], k_eff, oracle.max_ngram)
             if len(drafted) != len(expected):
                 bad.append({"step": step, "position": n0, "drafted": drafted, "expected": expected,
                             "why": f"{len(drafted)} drafts where a correct drafter finds {len(expected)}"})
@@ -82,7 +97,7 @@ def check_request(oracle: Oracle, req, k: int, logits_cache: dict,
             if pos >= len(full) or full[n0:n0 + i] != drafted[:i]:
                 break  # the request stopped inside the accepted drafts: no committed context
             compared += 1
-            if oracle.kind == "lookup":
+            if oracle.kind in ("lookup", "suffix"):
                 if drafted[i] != expected[i]:
                     bad.append({"step": step, "position": pos + 1, "drafted": drafted[i],
                                 "expected": expected[i]})

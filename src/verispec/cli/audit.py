@@ -62,7 +62,7 @@ def add_audit_parser(sub) -> None:
                                    "report.html. Exit status 1 when any check fails.")
     a.add_argument("--target", default="smollm2-135m", help="preset, HF directory, GGUF file or hub id")
     add_speculation_arguments(a, draft_default="lookup", min_k=1,
-                              draft_help="lookup[:N] | layerskip:N | a draft model (preset, path, hub id); "
+                              draft_help="lookup[:N] | suffix[:options] | layerskip:N | a draft model (preset, path, hub id); "
                                          "default lookup",
                               policy_help="adaptive (default): k per row and step from measured costs and "
                                           "acceptance; fixed: always k",

@@ -92,7 +92,7 @@ def add_speculation_arguments(parser, *, draft_default: str | None = None, draft
     the command accepts (the audit needs drafts: 1)."""
     from ..verify import RULES
     parser.add_argument("--draft", default=draft_default,
-                        help=draft_help or "none | lookup[:N] | layerskip:N | a draft model (preset, path, hub id)")
+                        help=draft_help or "none | lookup[:N] | suffix[:options] | layerskip:N | a draft model (preset, path, hub id)")
     parser.add_argument("--k", type=_positive_int if min_k >= 1 else _nonneg_int, default=None,
                         help="draft tokens per step (the most, with the adaptive policy); "
                              "default 8 with --policy adaptive, 4 with fixed")

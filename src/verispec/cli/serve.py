@@ -38,11 +38,19 @@ def _check_key(key: str, source: str) -> str:
     return key
 
 
-def resolve_api_key(args, environ=os.environ) -> tuple[str | None, str | None]:
-    """The API key and where it came from: --api-key-file or --api-key (the two together
-    are an error), else $VERISPEC_API_KEY; none of them: no key. The file's first line
-    is the key (surrounding whitespace stripped); an empty key from any source is an
-    error, never "no key"."""
+def _check_keys(text: str, source: str) -> list[str]:
+    keys = [_check_key(k.strip(), source) for k in text.split(",")] if text else [_check_key(text, source)]
+    if len(set(keys)) != len(keys):
+        raise UsageError(f"{source} names the same API key twice")
+    return keys
+
+
+def resolve_api_keys(args, environ=os.environ) -> tuple[list[str], str | None]:
+    """The API keys and where they came from: --api-key-file or --api-key (the two
+    together are an error), else $VERISPEC_API_KEY; none of them: no key. Each takes one
+    key or several separated by commas (as llama-server's --api-key); the file's first line
+    holds them (surrounding whitespace stripped). Each key is a tenant: a drafter that learns across requests keeps their text apart. An
+    empty key from any source is an error, never "no key"."""
     if args.api_key_file is not None and args.api_key is not None:
         raise UsageError("give either --api-key or --api-key-file, not both")
     if args.api_key_file is not None:
@@ -52,12 +60,18 @@ def resolve_api_key(args, environ=os.environ) -> tuple[str | None, str | None]:
                 first = f.readline()
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"cannot read --api-key-file {path}: {e}") from None
-        return _check_key(first.strip(), f"--api-key-file {path} (its first line)"), "--api-key-file"
+        return _check_keys(first.strip(), f"--api-key-file {path} (its first line)"), "--api-key-file"
     if args.api_key is not None:
-        return _check_key(args.api_key, "--api-key"), "--api-key"
+        return _check_keys(args.api_key, "--api-key"), "--api-key"
     if ENV_API_KEY in environ:
-        return _check_key(environ[ENV_API_KEY].strip(), f"${ENV_API_KEY}"), f"${ENV_API_KEY}"
-    return None, None
+        return _check_keys(environ[ENV_API_KEY].strip(), f"${ENV_API_KEY}"), f"${ENV_API_KEY}"
+    return [], None
+
+
+def resolve_api_key(args, environ=os.environ) -> tuple[str | None, str | None]:
+    """The first API key (None: no key) and where it came from: resolve_api_keys."""
+    keys, source = resolve_api_keys(args, environ)
+    return (keys[0] if keys else None), source
 
 
 def add_serve_parser(sub) -> None:
@@ -77,11 +91,13 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics. A command line is "
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; several keys "
+                        "separated by commas are tenants whose text --draft suffix never mixes. A command line is "
                         "visible to every user of the machine (ps, /proc): prefer --api-key-file or "
                         f"${ENV_API_KEY}. --api-key or --api-key-file (not both) override ${ENV_API_KEY}")
     s.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="read the API key from the first line of PATH (whitespace stripped)")
+                   help="read the API key (or keys, separated by commas) from the first line of PATH "
+                        "(whitespace stripped)")
     s.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key (default: /metrics needs it when a key is set)")
     s.add_argument("--drain-timeout", type=_seconds, default=30.0, metavar="SECONDS",
@@ -102,9 +118,10 @@ def add_serve_parser(sub) -> None:
     s.set_defaults(func=cmd_serve)
 
 
-def build_state(args, api_key: str | None = None, fault=None):
+def build_state(args, api_key: str | list[str] | None = None, fault=None):
     """Load the model, build the engine and the server state from parsed arguments
-    (api_key: from resolve_api_key; fault: test only, an audit.faults.Fault the engine runs with)."""
+    (api_key: a key or the keys from resolve_api_keys, each a tenant; fault: test only, an
+    audit.faults.Fault the engine runs with)."""
     from ..models import load_model
     from ..policy import resolve_k
     from ..server.app import ServerConfig, ServerState
@@ -121,7 +138,9 @@ def build_state(args, api_key: str | None = None, fault=None):
     engine = build_engine(target, tok, args, max_batch=args.max_batch, max_len=max_len, wrap=PerRequestPolicy,
                           fault=fault)
     drafter = engine.drafter
-    config = ServerConfig(model_name=args.served_model_name or args.target, api_key=api_key,
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    config = ServerConfig(model_name=args.served_model_name or args.target, api_key=keys[0] if keys else None,
+                          more_api_keys=tuple(keys[1:]),
                           metrics_public=args.metrics_public, max_queue=args.max_queue,
                           drafter=args.draft if drafter is not None else None,
                           drain_timeout_s=args.drain_timeout)
@@ -138,11 +157,11 @@ def _is_loopback(host: str) -> bool:
 
 
 def cmd_serve(args) -> int:
-    api_key, key_source = resolve_api_key(args)
+    api_key, key_source = resolve_api_keys(args)
     if args.verify == "typical-lossy" and args.draft:
         print("WARNING: --verify typical-lossy is LOSSY: sampled output is NOT distributed as the target's; "
               "responses carry \"lossy\": true", file=sys.stderr)
-    if not _is_loopback(args.host) and api_key is None:
+    if not _is_loopback(args.host) and not api_key:
         print(f"WARNING: binding to {args.host} (not loopback) without an API key (--api-key-file, "
               f"${ENV_API_KEY}): anyone who can reach this address can use the server", file=sys.stderr)
     if key_source == "--api-key":
@@ -161,7 +180,8 @@ def _serve(args, api_key, key_source, fault=None) -> int:
 
     state = build_state(args, api_key, fault)
     server = make_server(state, host=args.host, port=args.port, log_level=args.log_level)
-    auth = (f"API key from {key_source}" + (", /metrics public" if args.metrics_public else "")
+    n = len(state.config.api_keys)
+    auth = (f"{n} API key{'s' * (n > 1)} from {key_source}" + (", /metrics public" if args.metrics_public else "")
             if key_source else "no API key")
     print(f"verispec serve: {state.config.model_name} (draft {args.draft or 'none'}, k={state.k}, "
           f"policy {state.policy}, rule {args.verify}; {auth}) on http://{args.host}:{args.port}",

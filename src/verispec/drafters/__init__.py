@@ -4,6 +4,8 @@ Drafter protocol (all row arguments are KV-cache rows of the engine's target cac
 
     name: str
     admit(rows, tokens)                 new requests joined on these rows
+    admit_scopes(rows, scopes)          (optional) right after admit: each request's scope
+    learn(rows, tokens)                 (optional) the requests finished with these sequences
     prepare(rows, tokens)               these rows draft in this step, for the first time or
         again: work a drafter deferred until a row drafts (the draft model's prefill) is
         done here, and the engine counts it as prefill, not as drafting. A row the policy
@@ -34,7 +36,8 @@ __all__ = ["Drafter", "DrafterHooks", "apply_halt", "draft_from_logits", "make_d
 
 def make_drafter(spec: str | None, target, target_tokenizer, *, max_rows: int, max_len: int,
                  progress: bool = True):
-    """Build a drafter from a CLI/server spec: None|'none', 'lookup[:N]', 'layerskip:N',
+    """Build a drafter from a CLI/server spec: None|'none', 'lookup[:N]', 'suffix[:options]'
+    (drafters/suffix.py: depth=, factor=, offset=, min-prob=, cache=), 'layerskip:N',
     or a model (preset name, directory, GGUF file, hub id), loaded on the target's backend."""
     if spec is None or spec == "none":
         return None
@@ -42,6 +45,9 @@ def make_drafter(spec: str | None, target, target_tokenizer, *, max_rows: int, m
         from .lookup import PromptLookupDrafter
         n = int(spec.split(":", 1)[1]) if ":" in spec else 3
         return PromptLookupDrafter(max_ngram=n)
+    if spec == "suffix" or spec.startswith("suffix:"):
+        from .suffix import SuffixDrafter, SuffixSettings
+        return SuffixDrafter(SuffixSettings.parse(spec.partition(":")[2]))
     if spec.startswith("layerskip:"):
         from .layerskip import LayerSkipDrafter
         try:

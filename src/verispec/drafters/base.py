@@ -95,6 +95,16 @@ class Drafter(ABC):
     @abstractmethod
     def admit(self, rows: list[int], tokens: list[list[int]]) -> None: ...
 
+    def admit_scopes(self, rows: list[int], scopes: list[str | None]) -> None:
+        """Right after admit(): the scope of each row's request (Request.scope, a hash of its
+        API key; None: key-less). A drafter that keeps text across requests drafts for a
+        request only from its own scope's; the others need nothing of it."""
+
+    def learn(self, rows: list[int], tokens: list[list[int]]) -> None:
+        """Before release(): the rows' requests finished (stop or length) with these whole
+        sequences. A drafter that learns from earlier requests (suffix decoding's global
+        cache) keeps them; the others need nothing of it."""
+
     @abstractmethod
     def prepare(self, rows: list[int], tokens: list[list[int]]) -> None: ...
 

@@ -206,6 +206,11 @@ class Engine:
         self.churn.freed_in[req.row] = self.times.steps  # the step ending it has not been counted yet
         self.cache.free([req.row])
         if self.drafter is not None:
+            if reason in ("stop", "length"):  # text a client received whole, and nothing failed
+                try:
+                    self.drafter.learn([req.row], [req.tokens])
+                except Exception:  # noqa: BLE001 - a cache that fails to learn costs speed, never a request
+                    log.exception("drafter %s failed to learn from a finished request", self.drafter.name)
             self.drafter.release([req.row])
 
     def _admit(self) -> list[Request]:
@@ -250,6 +255,7 @@ class Engine:
         prefill(self.target, self.cache, rows, [r.prompt_ids[:-1] for r in group], self.prompt_cache)
         if self.drafter is not None:
             self.drafter.admit(rows, [r.tokens for r in group])
+            self.drafter.admit_scopes(rows, [r.scope for r in group])
 
     # -- the step ----------------------------------------------------------------
     def step(self) -> list[Request]:

@@ -100,6 +100,9 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None  # with finish_reason "error": what failed, for the caller
     stats: RequestStats = field(default_factory=RequestStats)
+    # whose text a drafter that learns across requests may draft from for this request: a
+    # hash of the client's API key (drafters/suffix_tree.scope_of); None: the key-less scope
+    scope: str | None = None
     # engine-owned state
     row: int | None = None
     generator: torch.Generator | None = None

@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .. import __version__
+from ..drafters.suffix_tree import scope_of
 from ..engine import GenerationParams
 from ..sampling import SamplingParams
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -63,6 +64,9 @@ SHUTDOWN_GRACE_S = 5.0
 class ServerConfig:
     model_name: str  # the id clients send as "model"
     api_key: str | None = None  # when set, /v1/* and /metrics need "Authorization: Bearer <key>"
+    # further keys, each a tenant of its own: a drafter that learns across requests (suffix
+    # decoding's global cache) drafts for a request only from text sent with the same key
+    more_api_keys: tuple[str, ...] = ()
     metrics_public: bool = False  # True: /metrics answers without the API key
     max_queue: int = 64  # requests waiting for a row beyond the running batch; more -> 429
     max_body_bytes: int = 4 * 2 ** 20
@@ -77,6 +81,14 @@ class ServerConfig:
             raise ValueError(f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (None: no key)")
+        if self.more_api_keys and self.api_key is None:
+            raise ValueError("more_api_keys needs api_key (the first key)")
+        if any(not k for k in self.more_api_keys):
+            raise ValueError("an API key must not be empty")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        return () if self.api_key is None else (self.api_key, *self.more_api_keys)
 
 
 class ServerState:
@@ -127,17 +139,23 @@ class ServerState:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- request checks ------------------------------------------------------------
-    def authorize(self, request: Request) -> None:
-        key = self.config.api_key
-        if key is None:
-            return
+    def authorize(self, request: Request) -> str | None:
+        """Checks the request's key; -> its scope (a hash of the key, None without keys),
+        which a drafter that learns across requests keeps each tenant's text apart by."""
+        keys = self.config.api_keys
+        if not keys:
+            return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise OpenAIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+        sent = token.strip().encode()
+        # every key compared, so the time taken does not say which key came close
+        matched = [k for k in keys if hmac.compare_digest(sent, k.encode())]
+        if not matched:
             raise OpenAIError(401, "incorrect API key provided", code="invalid_api_key",
                               headers={"WWW-Authenticate": "Bearer"})
+        return scope_of(matched[0])
 
     def check_open(self) -> None:
         """503 while the server drains (SIGTERM): it takes no new generation requests."""
@@ -477,7 +495,7 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
         """Generation requests: refused while draining, else counted in flight until
         their answer is complete (a stream: until it closes)."""
         try:
-            state.authorize(request)
+            request.state.verispec_scope = state.authorize(request)
             state.check_open()
         except OpenAIError:
             await _discard_body(request, state.config.max_body_bytes)
@@ -546,7 +564,8 @@ def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
                                       ignore_eos=bool(req.ignore_eos))
         except ValueError as e:  # whatever the engine's own checks refuse is the client's error
             raise OpenAIError(400, f"invalid sampling parameters: {e}", code="invalid_value") from None
-        handle = RequestHandle(ServerRequest(ids, params, speculate=spec.speculate), state.tokenizer,
+        handle = RequestHandle(ServerRequest(ids, params, speculate=spec.speculate,
+                                             scope=getattr(request.state, "verispec_scope", None)), state.tokenizer,
                                stop_list(req.stop), asyncio.get_running_loop(), rule=spec.rule)
         if state.drain_expired:
             raise OpenAIError(503, "server shutting down: not accepting new requests", type="server_error",

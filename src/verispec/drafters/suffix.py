@@ -1,0 +1,160 @@
+"""Suffix decoding (SuffixDecoding, arXiv 2411.04975): draft the continuation that a
+suffix trie over this request's own text, and over earlier requests' prompts and outputs,
+has seen most often after the sequence's latest tokens. No model, no q: a greedy or a
+sampled row verifies the drafts as one-hot proposals, which the rules keep exact.
+
+Two sources, the better-scored proposal of which is drafted:
+
+* the request's own trie, over its prompt and the tokens generated so far (what prompt
+  lookup copies from, with frequencies instead of the latest match);
+* the global SuffixCache (suffix_tree.py), over finished requests, bounded in nodes with
+  FIFO eviction, one trie per scope: a request's scope is its API key's hash, so that no
+  tenant receives drafts made of another tenant's text (acceptance speed would reveal it).
+  cache_nodes=0 switches it off.
+
+The per-request trie holds only committed tokens: a rollback below what it holds drops it,
+and the next proposal rebuilds it from the sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Drafter
+from .suffix_tree import SuffixCache, SuffixTrie
+
+
+@dataclass(frozen=True)
+class SuffixSettings:
+    """vLLM's knobs for method `suffix`, under the names suffix_decoding_<name>."""
+
+    max_depth: int = 24  # max_tree_depth: the longest suffix kept, and so the longest match
+    max_spec_factor: float = 1.0  # a proposal is at most factor * match length + offset tokens
+    max_spec_offset: float = 0.0
+    min_token_prob: float = 0.1  # stop where the walk's estimated probability falls below this
+    cache_nodes: int = 200_000  # the global cache's bound in trie nodes; 0: no global cache
+
+    def __post_init__(self):
+        if self.max_depth < 2:
+            raise ValueError(f"suffix: depth must be >= 2, got {self.max_depth}")
+        if not self.max_spec_factor >= 0 or not self.max_spec_offset >= 0:
+            raise ValueError("suffix: factor and offset must be >= 0")
+        if not 0 <= self.min_token_prob <= 1:
+            raise ValueError(f"suffix: min-prob must be in [0, 1], got {self.min_token_prob}")
+        if self.cache_nodes < 0:
+            raise ValueError(f"suffix: cache must be >= 0 nodes (0: off), got {self.cache_nodes}")
+
+    @classmethod
+    def parse(cls, options: str) -> "SuffixSettings":
+        """'depth=24,factor=1.0,offset=0,min-prob=0.1,cache=200000' (any subset, any order)."""
+        names = {"depth": ("max_depth", int), "factor": ("max_spec_factor", float),
+                 "offset": ("max_spec_offset", float), "min-prob": ("min_token_prob", float),
+                 "cache": ("cache_nodes", int)}
+        kw = {}
+        for part in filter(None, (p.strip() for p in options.split(","))):
+            key, eq, value = part.partition("=")
+            if not eq or key not in names:
+                raise ValueError(f"suffix option {part!r}: expected one of {', '.join(n + '=' for n in names)}")
+            field, kind = names[key]
+            try:
+                kw[field] = kind(value)
+            except ValueError:
+                raise ValueError(f"suffix option {key}: {value!r} is not a {kind.__name__}") from None
+        return cls(**kw)
+
+
+class SuffixDrafter(Drafter):
+    name = "suffix"
+
+    def __init__(self, settings: SuffixSettings | None = None, cache: SuffixCache | None = None):
+        self.settings = settings or SuffixSettings()
+        s = self.settings
+        # a cache passed in is shared (several engines, or a test's); else one of our own
+        self.cache = cache if cache is not None else (
+            SuffixCache(max_depth=s.max_depth, max_nodes=s.cache_nodes) if s.cache_nodes > 0 else None)
+        self._tries: dict[int, SuffixTrie] = {}  # row -> the request's own trie
+        self._fed: dict[int, int] = {}  # row -> tokens its trie holds
+        self._scopes: dict[int, str | None] = {}  # row -> its request's scope
+
+    @property
+    def replayable(self) -> bool:
+        """Whether a draft is a function of the request's own prefix alone (no global
+        cache), so that the audit can recompute it."""
+        return self.cache is None
+
+    def identity(self) -> dict:
+        s = self.settings
+        return {"kind": "suffix", "max_depth": s.max_depth, "global": s.cache_nodes > 0}
+
+    def admit(self, rows, tokens):
+        for row in rows:
+            self._drop(row)
+            self._scopes[row] = None  # the key-less scope until admit_scopes says otherwise
+
+    def admit_scopes(self, rows, scopes):
+        for row, scope in zip(rows, scopes):
+            self._scopes[row] = scope
+
+    def prepare(self, rows, tokens):
+        pass
+
+    def _trie(self, row: int, seq: list[int]) -> SuffixTrie:
+        trie, fed = self._tries.get(row), self._fed.get(row, 0)
+        if trie is None or fed > len(seq):
+            trie, fed = SuffixTrie(self.settings.max_depth), 0
+            self._tries[row] = trie
+        if len(seq) > fed:
+            trie.extend(0, seq[fed:])
+            self._fed[row] = len(seq)
+        return trie
+
+    def continuation(self, row: int, seq: list[int], k: int) -> list[int]:
+        """Up to k tokens: the better-scored of the request's own trie's proposal and the
+        global cache's (in the request's scope); ties go to the request's own."""
+        s = self.settings
+        knobs = dict(max_spec_factor=s.max_spec_factor, max_spec_offset=s.max_spec_offset,
+                     min_token_prob=s.min_token_prob)
+        ctx = seq[-(s.max_depth - 1):]
+        best = self._trie(row, seq).propose(ctx, k, **knobs)
+        if self.cache is not None:
+            other = self.cache.propose(self._scopes.get(row), ctx, k, **knobs)
+            if other.score > best.score:
+                best = other
+        return list(best.tokens[:k])
+
+    def propose(self, rows, tokens, k, sampling, generators):
+        if self.hooks is not None:
+            tokens = self.hooks.held(rows, self.hooks.sequences(tokens))
+        K = max(k, default=0)
+        out = torch.zeros(len(rows), K, dtype=torch.long)  # [B,K]
+        n = torch.zeros(len(rows), dtype=torch.long)  # [B] drafts actually found
+        for b, (row, seq, kb) in enumerate(zip(rows, tokens, k)):
+            cont = self.continuation(row, seq, kb) if kb else []
+            if cont:
+                out[b, :len(cont)] = torch.tensor(cont, dtype=torch.long)
+            n[b] = len(cont)
+        return out, None, n
+
+    def rollback(self, rows, committed):
+        # the trie holds committed tokens plus the pending one: anything beyond is void
+        for row, c in zip(rows, committed):
+            if self._fed.get(row, 0) > c + 1:
+                self._drop(row)
+
+    def learn(self, rows, tokens):
+        if self.cache is not None:
+            for row, seq in zip(rows, tokens):
+                self.cache.add(self._scopes.get(row), list(seq))
+
+    def release(self, rows):
+        for row in rows:
+            self._drop(row)
+            self._scopes.pop(row, None)
+        if self.hooks is not None:
+            self.hooks.released(rows)
+
+    def _drop(self, row: int) -> None:
+        self._tries.pop(row, None)
+        self._fed.pop(row, None)

@@ -1,0 +1,341 @@
+"""The data structures of a SuffixDecoding-style drafter (arXiv 2411.04975): a
+depth-bounded suffix trie over token sequences, a bounded, scoped cache of earlier
+requests built on it, and the greedy speculation both answer.
+
+A trie node stands for a token path; its count is how many inserted suffix occurrences
+(one per start position of each sequence, truncated to max_depth tokens) pass through
+it. Speculation matches the context's longest suffixes against the trie and follows the
+most frequent continuation while its estimated probability holds up.
+
+Pure Python on purpose: the structures are dicts of ints, touched a few times per step,
+and need no tensor library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections import deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A speculation: the tokens, the cumulative estimated probability of each prefix
+    (probs[i] is the chance that tokens[:i + 1] are all accepted), the length of the
+    context suffix it was matched on, and its score (sum of probs: the expected number
+    of accepted tokens, which is how SuffixDecoding ranks speculations). The default is
+    the empty proposal (no match)."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    match_len: int = 0
+    score: float = 0.0
+
+
+class _Node:
+    """One trie node. child_sum is the sum of the children's counts (a node's own count
+    also includes the suffixes that end on it, which predict nothing). best caches the
+    token of the most frequent child (ties: smallest id) so that a walk does not scan
+    every child; None means unknown, recomputed when a walk needs it."""
+
+    __slots__ = ("count", "child_sum", "best", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.child_sum = 0
+        self.best: int | None = None
+        self.children: dict[int, _Node] = {}
+
+
+class _Seq:
+    """What the trie keeps of one sequence: its tokens (to subtract them on removal) and
+    the nodes where its windows shorter than max_depth end, longest first (to append
+    without walking from the root)."""
+
+    __slots__ = ("tokens", "active")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.active: list[_Node] = []
+
+
+class SuffixTrie:
+    """Every suffix of every inserted sequence, truncated to max_depth tokens, as a path
+    from the root, with occurrence counts. Sequences grow incrementally (extend) and can
+    be removed exactly (remove), which the cache's eviction needs."""
+
+    def __init__(self, max_depth: int = 24) -> None:
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        self.max_depth = max_depth
+        self._root = _Node()
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._num_nodes = 0
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes besides the root; maintained on every change, so O(1)."""
+        return self._num_nodes
+
+    def extend(self, seq_id: Hashable, tokens: Iterable[int]) -> None:
+        """Append tokens to sequence seq_id (created if new). Token t at position i
+        extends the windows that start at i - max_depth + 1 .. i by one step, so an
+        append costs O(max_depth) and the result equals inserting the whole sequence at
+        once."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = self._seqs[seq_id] = _Seq()
+        depth = self.max_depth
+        root = self._root
+        active = seq.active
+        added = []
+        for t in tokens:
+            nxt = [self._step(node, t) for node in active]
+            nxt.append(self._step(root, t))
+            # the longest window just reached max_depth: it grows no further
+            if len(nxt) == depth:
+                del nxt[0]
+            active = nxt
+            added.append(t)
+        seq.active = active
+        seq.tokens.extend(added)
+
+    def _step(self, node: _Node, t: int) -> _Node:
+        """Count one more occurrence through node's child t, creating it if needed."""
+        child = node.children.get(t)
+        if child is None:
+            child = node.children[t] = _Node()
+            self._num_nodes += 1
+        child.count += 1
+        node.child_sum += 1
+        best = node.best
+        # a known best stays valid: only t's count rose, so t either overtakes it or not
+        if best is not None and best != t:
+            bc = node.children[best].count
+            if child.count > bc or (child.count == bc and t < best):
+                node.best = t
+        return child
+
+    def remove(self, seq_id: Hashable) -> None:
+        """Subtract every count seq_id contributed and delete the nodes left at 0."""
+        seq = self._seqs.pop(seq_id)
+        toks = seq.tokens
+        depth = self.max_depth
+        for s in range(len(toks)):
+            window = toks[s:s + depth]
+            node = self._root
+            for d, t in enumerate(window):
+                child = node.children[t]
+                child.count -= 1
+                node.child_sum -= 1
+                if node.best == t:
+                    node.best = None
+                if child.count == 0:
+                    # a count of 1 meant only this window passed through child, so its
+                    # subtree is exactly the rest of this window: drop it whole
+                    del node.children[t]
+                    self._num_nodes -= len(window) - d
+                    break
+                node = child
+
+    def paths(self) -> dict[tuple[int, ...], int]:
+        """Every path with its count: the trie's whole observable state, for tests and
+        debugging."""
+        out: dict[tuple[int, ...], int] = {}
+        stack: list[tuple[tuple[int, ...], _Node]] = [((), self._root)]
+        while stack:
+            path, node = stack.pop()
+            for t, child in node.children.items():
+                p = path + (t,)
+                out[p] = child.count
+                stack.append((p, child))
+        return out
+
+    def _best_child(self, node: _Node) -> int:
+        if node.best is None:
+            node.best = min(node.children.items(), key=lambda kv: (-kv[1].count, kv[0]))[0]
+        return node.best
+
+    def _matches(self, context: list[int]) -> list[_Node]:
+        """Nodes of the context's suffixes of length 1, 2, ... that are paths, up to
+        max_depth - 1 tokens (a longer match leaves no depth to propose from). Paths are
+        closed under taking suffixes, so the first miss ends the search."""
+        nodes: list[_Node] = []
+        n = len(context)
+        for length in range(1, min(n, self.max_depth - 1) + 1):
+            node: _Node | None = self._root
+            for t in context[n - length:]:
+                node = node.children.get(t)
+                if node is None:
+                    return nodes
+            nodes.append(node)
+        return nodes
+
+    def propose(self, context: list[int], max_tokens: int, *, max_spec_factor: float = 1.0,
+                max_spec_offset: float = 0.0, min_token_prob: float = 0.1) -> Proposal:
+        """Speculate a continuation of context. Every matching suffix length is tried and
+        the speculation with the highest score wins, ties going to the longer match:
+        a longer match is more specific, a shorter one has seen more data, and the score
+        (expected accepted tokens) weighs the two as SuffixDecoding does.
+
+        From the match, the walk takes the most frequent child (ties: smallest token id)
+        with probability child.count / sum of the children's counts, multiplied along
+        the path. It stops when that product falls below min_token_prob (that token is
+        not proposed), at a node without children (nodes at max_depth have none), or at
+        min(max_tokens, floor(max_spec_factor * match_len + max_spec_offset)) tokens."""
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        best = Proposal()
+        if max_tokens == 0:
+            return best
+        for match_len, node in enumerate(self._matches(context), start=1):
+            limit = min(max_tokens, math.floor(max_spec_factor * match_len + max_spec_offset))
+            toks: list[int] = []
+            probs: list[float] = []
+            p = 1.0
+            while len(toks) < limit and node.children:
+                t = self._best_child(node)
+                child = node.children[t]
+                p *= child.count / node.child_sum
+                if p < min_token_prob:
+                    break
+                toks.append(t)
+                probs.append(p)
+                node = child
+            score = sum(probs)
+            if score >= best.score:
+                best = Proposal(toks, probs, match_len, score)
+        return best
+
+
+class SuffixCache:
+    """The cache of earlier requests' text that the drafter speculates from, bounded in
+    nodes (and optionally in sequences), one trie per scope so that text never crosses
+    scopes, and safe to share between threads (one lock guards every method).
+
+    Eviction is FIFO across all scopes: the oldest sequences leave first. The newest
+    sequence has priority: if it alone exceeds max_nodes, every other sequence is
+    evicted and it is truncated to its longest tail that fits (a tail of a sequence is a
+    sub-trie of it, so the tail's node count grows with its length and the longest
+    fitting one is found by bisection). A single token is one node, so something is
+    always cached."""
+
+    def __init__(self, max_depth: int = 24, max_nodes: int = 200_000,
+                 max_sequences: int | None = None) -> None:
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        if max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        if max_sequences is not None and max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1 or None, got {max_sequences}")
+        self.max_depth = max_depth
+        self.max_nodes = max_nodes
+        self.max_sequences = max_sequences
+        self._lock = threading.Lock()
+        self._tries: dict[str | None, SuffixTrie] = {}
+        self._order: deque[tuple[str | None, int]] = deque()  # (scope, seq id), oldest first
+        self._nodes = 0
+        self._next_id = 0
+        self._evictions = 0
+        self._truncations = 0
+
+    def add(self, scope: str | None, tokens: list[int]) -> None:
+        """Cache a finished request's prompt + output under scope (None: the shared
+        scope), then evict until the bounds hold. Empty token lists are ignored."""
+        if not tokens:
+            return
+        with self._lock:
+            trie = self._tries.get(scope)
+            if trie is None:
+                trie = self._tries[scope] = SuffixTrie(self.max_depth)
+            sid = self._next_id
+            self._next_id += 1
+            self._insert(trie, sid, tokens)
+            self._order.append((scope, sid))
+            while len(self._order) > 1 and self._over():
+                old_scope, old_sid = self._order.popleft()
+                self._remove(old_scope, old_sid)
+                self._evictions += 1
+            if self._nodes > self.max_nodes:
+                # only the new sequence is left, and alone it is too big
+                self._remove(scope, sid)
+                keep = self._longest_fitting_tail(tokens)
+                trie = self._tries[scope] = SuffixTrie(self.max_depth)
+                self._insert(trie, sid, tokens[len(tokens) - keep:])
+                self._truncations += 1
+
+    def _over(self) -> bool:
+        return self._nodes > self.max_nodes or (
+            self.max_sequences is not None and len(self._order) > self.max_sequences)
+
+    def _insert(self, trie: SuffixTrie, sid: int, tokens: list[int]) -> None:
+        before = trie.num_nodes
+        trie.extend(sid, tokens)
+        self._nodes += trie.num_nodes - before
+
+    def _remove(self, scope: str | None, sid: int) -> None:
+        trie = self._tries[scope]
+        before = trie.num_nodes
+        trie.remove(sid)
+        self._nodes += trie.num_nodes - before
+        if not len(trie):
+            del self._tries[scope]
+
+    def _longest_fitting_tail(self, tokens: list[int]) -> int:
+        """Longest tail length whose trie alone has <= max_nodes nodes. A tail of m
+        tokens has at most m * max_depth nodes, which gives the bisection's lower end;
+        the whole sequence is known not to fit."""
+        lo = max(1, min(self.max_nodes // self.max_depth, len(tokens) - 1))
+        hi = len(tokens)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            trial = SuffixTrie(self.max_depth)
+            trial.extend(0, tokens[len(tokens) - mid:])
+            if trial.num_nodes <= self.max_nodes:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def propose(self, scope: str | None, context: list[int], max_tokens: int, *,
+                max_spec_factor: float = 1.0, max_spec_offset: float = 0.0,
+                min_token_prob: float = 0.1) -> Proposal:
+        """SuffixTrie.propose on scope's trie alone; the empty proposal if it has none."""
+        with self._lock:
+            trie = self._tries.get(scope)
+            if trie is None:
+                return Proposal()
+            return trie.propose(context, max_tokens, max_spec_factor=max_spec_factor,
+                                max_spec_offset=max_spec_offset, min_token_prob=min_token_prob)
+
+    def stats(self) -> dict[str, int | None]:
+        with self._lock:
+            return {"scopes": len(self._tries), "sequences": len(self._order),
+                    "nodes": self._nodes, "evictions": self._evictions,
+                    "truncations": self._truncations, "max_nodes": self.max_nodes,
+                    "max_sequences": self.max_sequences}
+
+    def clear(self) -> None:
+        """Drop every cached sequence. The eviction and truncation counters keep counting:
+        clearing is neither."""
+        with self._lock:
+            self._tries.clear()
+            self._order.clear()
+            self._nodes = 0
+
+
+def scope_of(api_key: str | None) -> str | None:
+    """The cache scope of an API key: None (the shared scope) without a key, otherwise a
+    short stable hash, so that the cache never holds a key in clear."""
+    if not api_key:
+        return None
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()[:16]
