@@ -136,3 +136,62 @@ def test_the_adversarial_slice_says_how_each_prompt_was_made():
     assert all(m["search"] == "speedup-floor" and m["edits"] and m["budget"] and m["seed"] is not None for m in made)
     drafters = {m["drafter"].split(":")[0] for m in made}
     assert {"lookup", "layerskip"} <= drafters and drafters - {"lookup", "layerskip"}  # and a draft model
+
+
+REPETITIVE_SLICES = ["code-edit", "rag", "multi-turn", "agentic", "json"]
+
+
+def _repetitive_records():
+    from importlib import resources
+
+    text = resources.files("verispec.data").joinpath("suite_repetitive.jsonl").read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_repetitive_suite_has_its_slices():
+    suite = load_suite("repetitive")
+    groups = slices(suite)
+    assert list(groups) == REPETITIVE_SLICES
+    assert all(len(prompts) == 8 for prompts in groups.values())
+    assert len({p.id for p in suite}) == len(suite)
+    assert all(len(p.prompt) < 2000 for p in suite)
+    records = _repetitive_records()
+    assert [r["id"] for r in records] == [p.id for p in suite]
+    assert all(isinstance(r["made_from"], str) and r["made_from"].strip() for r in records)
+
+
+def test_repetitive_code_edits_carry_the_code_they_ask_about():
+    for p in slices(load_suite("repetitive"))["code-edit"]:
+        block = p.prompt.split("```python\n", 1)[1].split("\n```", 1)[0]
+        assert len(block.splitlines()) >= 5, p.id
+        assert block.lstrip().startswith("def "), p.id
+
+
+def test_repetitive_agentic_prompts_share_text_across_requests():
+    """Suffix decoding's cache across requests pays only where tool results recur."""
+    prompts = [p.prompt for p in slices(load_suite("repetitive"))["agentic"]]
+    assert all(p.rstrip().endswith("Next action:") for p in prompts)
+    results = [line for p in prompts for line in p.splitlines() if line.startswith("Result: ") and len(line) >= 200]
+    assert any(sum(r in p for p in prompts) >= 3 for r in results)  # a long tool result in 3+ prompts
+
+
+def test_repetitive_suite_regenerates_byte_for_byte(tmp_path):
+    import importlib.util
+    import platform
+    import sys
+    from pathlib import Path
+
+    made = {r["made_from"] for r in _repetitive_records()}
+    here = f"{platform.python_implementation()} {platform.python_version()}"
+    if sys.version_info[:2] != (3, 11) or not any(here in m for m in made):
+        pytest.skip(f"the packaged suite quotes another Python's standard library than {here}'s")
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "repetitive_suite.py"
+    spec = importlib.util.spec_from_file_location("repetitive_suite", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "suite_repetitive.jsonl"
+    module.write(out)
+    from importlib import resources
+
+    packaged = resources.files("verispec.data").joinpath("suite_repetitive.jsonl").read_bytes()
+    assert out.read_bytes() == packaged, "regenerate with: python benchmarks/repetitive_suite.py"

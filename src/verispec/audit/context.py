@@ -150,7 +150,7 @@ class AuditConfig:
     policy: str = "adaptive"  # adaptive | fixed
     batch_invariant: bool = False  # the target runs in batch-invariant mode (models/attention.py)
     rule: str = "rejection"  # verification rule for sampled requests
-    suite: str = "default"  # "default" or a JSONL path
+    suite: str = "default"  # a packaged suite ("default", "repetitive") or a JSONL path
     batch_sizes: tuple[int, ...] = (1, 4, 16, 32)
     sizes: AuditSizes = field(default_factory=AuditSizes.full)
     seed: int = 0

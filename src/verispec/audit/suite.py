@@ -1,9 +1,14 @@
-"""The audit's prompt suite: the built-in default suite, or a JSONL file of prompts.
+"""The audit's prompt suite: a packaged suite by name, or a JSONL file of prompts.
+
+The packaged suites are ``"default"`` (task slices from code to translation, plus an
+adversarial slice) and ``"repetitive"`` (code edits, RAG, multi-turn, agentic and JSON
+transforms: answers that repeat text from the prompt, the kind suffix decoding drafts from;
+made by ``benchmarks/repetitive_suite.py``).
 
 Two line formats are accepted (they may even be mixed in one file):
 
 * ours: ``{"prompt": "...", "slice": "code", "id": "code-01"}`` - ``slice`` and ``id``
-  are optional;
+  are optional, and other keys (such as where a prompt came from) are ignored;
 * Spec-Bench's ``question.jsonl``: ``{"question_id": 81, "category": "writing",
   "turns": ["...", ...]}`` - the slice is the category and the prompt the first turn.
 
@@ -20,7 +25,7 @@ from importlib import resources
 from typing import Iterable
 
 DEFAULT_SLICE = "default"
-_DEFAULT_RESOURCE = "suite_default.jsonl"
+PACKAGED = {"default": "suite_default.jsonl", "repetitive": "suite_repetitive.jsonl"}
 
 
 @dataclass(frozen=True)
@@ -31,15 +36,18 @@ class SuitePrompt:
 
 
 def load_suite(spec: str | os.PathLike[str] = "default") -> list[SuitePrompt]:
-    """Load a prompt suite: ``"default"`` (the packaged suite) or a path to a JSONL file.
+    """Load a prompt suite: a packaged one by name (a key of ``PACKAGED``: ``"default"``,
+    ``"repetitive"``) or a path to a JSONL file.
 
-    Raises FileNotFoundError (naming the path) when the file is missing, and ValueError
-    naming ``file:line`` for a malformed line, a line without prompt text, a repeated id,
-    or a file holding no prompts.
+    A name wins over a file of that name in the working directory; give such a file as
+    ``./default``. Raises FileNotFoundError (naming the path) when the file is missing, and
+    ValueError naming ``file:line`` for a malformed line, a line without prompt text, a
+    repeated id, or a file holding no prompts.
     """
-    if isinstance(spec, str) and spec == "default":
-        text = resources.files("verispec.data").joinpath(_DEFAULT_RESOURCE).read_text(encoding="utf-8")
-        return _parse(text, f"<verispec.data/{_DEFAULT_RESOURCE}>")
+    if isinstance(spec, str) and spec in PACKAGED:
+        resource = PACKAGED[spec]
+        text = resources.files("verispec.data").joinpath(resource).read_text(encoding="utf-8")
+        return _parse(text, f"<verispec.data/{resource}>")
     path = os.fspath(spec)
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, f"prompt suite file not found: {path}", path)

@@ -71,7 +71,8 @@ def add_audit_parser(sub) -> None:
     a.add_argument("--batch-invariant", action="store_true",
                    help="run the target in batch-invariant mode: greedy output must then match "
                         "plain decoding bitwise at every batch size")
-    a.add_argument("--suite", default="default", help='"default" or a JSONL file (Spec-Bench format accepted)')
+    a.add_argument("--suite", default="default", help='"default", "repetitive" (code edits, RAG, multi-turn, '
+                   'agentic, JSON: answers that repeat text) or a JSONL file (Spec-Bench format accepted)')
     a.add_argument("--batch-sizes", type=_batch_sizes, default=None,
                    help="comma-separated (default 1,4,16,32; with --quick 1,4,16)")
     a.add_argument("--out", default="verispec-audit", help="report directory (default ./verispec-audit)")
