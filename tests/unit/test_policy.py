@@ -462,3 +462,55 @@ def test_a_settled_plan_is_reused_but_never_stale():
     q.rows["x"].assume(0.95)
     assert q.choose(a)[0] > 0
     assert q.choose([R("x"), R("y")])[1] > 0  # a new row starts from the drafter's figures
+
+
+class _Confident:
+    """A drafter as the policy sees it: model-free, with its own acceptance estimates."""
+
+    estimates_acceptance = True
+
+
+def test_a_confident_model_free_drafter_drafts_where_its_estimates_pay():
+    # a pass that costs 0.75 of a decode per extra token (a 2-core CPU): only drafts that
+    # are nearly always right can pay, and a row's record cannot tell which those are
+    bp, tp = (1, 2), tuple(range(1, 10))
+    steep = CostModel(bp, tp, (tuple(1.0 + 0.75 * (t - 1) for t in tp),) * 2, (1, 2), (1e-5, 1e-5),
+                      draft_free=True)
+    p = AdaptivePolicy(steep, max_k=8)
+    one, two = [R("a")], [R("a"), R("b")]
+    assert p.choose(one) == [0]  # without estimates: a prior that cannot pay, so never asked
+    p.bind_drafter(_Confident())
+    assert p.choose(one) == [8]  # with them: asked every step
+    kept = p.trim(one, [6], [[0.97] * 6])
+    assert 2 <= kept[0] <= 6  # a copy the trie is sure of pays
+    p.observe(one, kept, kept)
+    p.choose(one)
+    assert p.trim(one, [6], [[0.3] * 6]) == [0]  # a guess does not
+    # a pass widened for one row of two costs both: one sure row cannot pay for it here
+    p.choose(two)
+    assert p.trim(two, [6, 0], [[0.97] * 6, []]) == [0, 0]
+    p.choose(two)
+    assert min(p.trim(two, [6, 6], [[0.97] * 6, [0.97] * 6])) >= 2
+
+
+def test_the_calibration_overrules_an_overconfident_drafter():
+    bp, tp = (1,), tuple(range(1, 10))
+    steep = CostModel(bp, tp, (tuple(1.0 + 0.75 * (t - 1) for t in tp),), (1,), (1e-5,), draft_free=True)
+    p = AdaptivePolicy(steep, max_k=8)
+    p.bind_drafter(_Confident())
+    reqs = [R("a")]
+    drafted = []
+    for _ in range(60):  # it says 0.97 and the target accepts none of it
+        p.choose(reqs)
+        kept = p.trim(reqs, [6], [[0.97] * 6])
+        drafted.append(kept[0])
+        p.observe(reqs, kept, [0])
+    assert drafted[0] > 0 and sum(drafted[-20:]) == 0
+
+
+def test_estimates_are_ignored_from_a_drafter_not_bound_as_confident():
+    flat = CostModel.from_total_tokens((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (1e-5, 1e-5), draft_free=True)
+    p = AdaptivePolicy(flat, max_k=8)
+    reqs = [R("a")]
+    p.choose(reqs)
+    assert p.trim(reqs, [5], [[0.01] * 5]) == [5]  # a flat pass: everything found is verified

@@ -109,3 +109,16 @@ def test_the_engine_scopes_and_learns(monkeypatch):
     assert sorted(seen, key=str) == [None, "t1"]
     st = d.cache.stats()
     assert st["sequences"] == 2 and st["scopes"] == 2  # one trie each: no text shared
+
+
+def test_proposals_carry_the_tries_estimates_shrunk_by_match_length():
+    assert SuffixDrafter.confidence([1.0, 0.5], 1) == [0.5, 0.25]
+    assert SuffixDrafter.confidence([1.0, 1.0, 1.0], 9) == pytest.approx([0.9] * 3)
+    d = SuffixDrafter(SuffixSettings(cache_nodes=0))
+    assert d.estimates_acceptance
+    d.admit([0, 1], [[1], [1]])
+    seq = [5, 6, 7, 8, 9, 5, 6, 7]
+    drafts = _propose(d, [0, 1], [seq, [42]], 4)
+    assert drafts[0] == [8, 9, 5][:len(drafts[0])] and drafts[0] and drafts[1] == []
+    assert len(d.found_conf[0]) == len(drafts[0]) and d.found_conf[1] == []
+    assert all(0.0 < c < 1.0 for c in d.found_conf[0])

@@ -22,6 +22,10 @@ Drafter protocol (all row arguments are KV-cache rows of the engine's target cac
         of the token it drafted for row active[j]; rows answered True stop at i + 1
         drafts. Only the drafter's probabilities reach the rule, never the target's
         verdicts, so a policy deciding there stays non-anticipating.
+    found_conf: list | None             (optional) after propose: per row, the drafter's own
+        estimate of P(draft i accepted | drafts before it were) for each draft found (a
+        model-free drafter's counts); None where it has none. The policy's trim() reads it
+        (through a calibration it learns), never the target's verdicts.
     rollback(rows, committed)           the target kept committed[b] tokens in cache
     release(rows)                       the rows' requests left the batch
     hooks: DrafterHooks | None          (optional) seams a test breaks on purpose (base.py)

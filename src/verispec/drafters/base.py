@@ -59,6 +59,10 @@ class Drafter(ABC):
     name: str = "drafter"
     halts: bool = False  # propose() takes a halt rule (the adaptive policy's stopping rule)
     reuses_prefills: bool = False  # its prefills can be served from a models.prefill.PromptCache
+    # after propose(): per row, its own P(draft i accepted | the drafts before it were), for
+    # a model-free drafter that counts (suffix decoding); None: no estimate
+    found_conf: list | None = None
+    estimates_acceptance: bool = False  # propose() sets found_conf
 
     prompt_cache = None  # with reuses_prefills: the PromptCache its prefills read and fill
     hooks: DrafterHooks | None = None  # None: the correct behaviour, with nothing to call

@@ -67,6 +67,7 @@ class SuffixSettings:
 
 class SuffixDrafter(Drafter):
     name = "suffix"
+    estimates_acceptance = True  # found_conf: the trie's counts (confidence())
 
     def __init__(self, settings: SuffixSettings | None = None, cache: SuffixCache | None = None):
         self.settings = settings or SuffixSettings()
@@ -113,6 +114,9 @@ class SuffixDrafter(Drafter):
     def continuation(self, row: int, seq: list[int], k: int) -> list[int]:
         """Up to k tokens: the better-scored of the request's own trie's proposal and the
         global cache's (in the request's scope); ties go to the request's own."""
+        return list(self._best(row, seq, k).tokens[:k])
+
+    def _best(self, row: int, seq: list[int], k: int):
         s = self.settings
         knobs = dict(max_spec_factor=s.max_spec_factor, max_spec_offset=s.max_spec_offset,
                      min_token_prob=s.min_token_prob)
@@ -122,7 +126,21 @@ class SuffixDrafter(Drafter):
             other = self.cache.propose(self._scopes.get(row), ctx, k, **knobs)
             if other.score > best.score:
                 best = other
-        return list(best.tokens[:k])
+        return best
+
+    @staticmethod
+    def confidence(probs: list[float], match_len: int) -> list[float]:
+        """Per draft, the trie's estimate of P(accepted | the drafts before it were): the
+        share of the matched context's continuations that went this way, shrunk by
+        m / (m + 1) for a match over m tokens, since a continuation seen once after a
+        one-token match predicts far less than one seen after twenty. The policy maps it
+        to acceptance through a calibration it learns, so only its order has to be right."""
+        shrink = match_len / (match_len + 1.0)
+        out, before = [], 1.0
+        for p in probs:
+            out.append(p / before * shrink if before > 0 else 0.0)
+            before = p
+        return out
 
     def propose(self, rows, tokens, k, sampling, generators):
         if self.hooks is not None:
@@ -130,11 +148,15 @@ class SuffixDrafter(Drafter):
         K = max(k, default=0)
         out = torch.zeros(len(rows), K, dtype=torch.long)  # [B,K]
         n = torch.zeros(len(rows), dtype=torch.long)  # [B] drafts actually found
+        conf = []
         for b, (row, seq, kb) in enumerate(zip(rows, tokens, k)):
-            cont = self.continuation(row, seq, kb) if kb else []
+            best = self._best(row, seq, kb) if kb else None
+            cont = [] if best is None else list(best.tokens[:kb])
             if cont:
                 out[b, :len(cont)] = torch.tensor(cont, dtype=torch.long)
             n[b] = len(cont)
+            conf.append(self.confidence(best.probs[:len(cont)], best.match_len) if cont else [])
+        self.found_conf = conf
         return out, None, n
 
     def rollback(self, rows, committed):

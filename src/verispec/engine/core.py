@@ -147,6 +147,7 @@ class Engine:
         self.cache = target.new_cache(config.max_batch, config.max_len + slack)
         if drafter is not None:
             drafter.bind_cache(self.cache)
+            self.policy.bind_drafter(drafter)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.times = StepTimes()
@@ -351,7 +352,9 @@ class Engine:
             drafts, q, num = torch.zeros(s.B, 0, dtype=torch.long), None, torch.zeros(s.B, dtype=torch.long)
         s.t_verify = time.perf_counter()  # trimming counts with the verify pass
         if max(k) > 0 and self.policy.trims:
-            num = torch.minimum(num, torch.tensor(self.policy.trim(reqs, num.tolist()), dtype=torch.long))
+            conf = self.drafter.found_conf  # the drafter's own estimates, where it has them
+            kept = self.policy.trim(reqs, num.tolist()) if conf is None else self.policy.trim(reqs, num.tolist(), conf)
+            num = torch.minimum(num, torch.tensor(kept, dtype=torch.long))
             s.k = num.tolist()
         # a drafter may find fewer drafts than asked (prompt lookup without a match): no
         # pass pays for padding columns that no row uses

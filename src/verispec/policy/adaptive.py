@@ -128,6 +128,10 @@ class AdaptivePolicy(Policy):
         # of one more column
         self.pass_seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._step = None  # (request ids, alphas [B,K], planned rate) of the step being drafted
+        # whether the model-free drafter estimates each draft's acceptance (found_conf,
+        # bind_drafter()): such a drafter is asked every step and trim() settles k on its
+        # calibrated estimates
+        self.confident = False
 
     # read-only shortcuts to the config figures tests read off the policy
     min_probe = property(lambda self: self.config.min_probe)
@@ -402,7 +406,7 @@ class AdaptivePolicy(Policy):
         alphas, plan, floor = self._planned(ids, states)
         if self.costs.draft_free:  # trim() decides once drafts are found
             self._step = (ids, alphas, 0.0)  # trim() reuses them
-            if plan or any(s.idle >= max(s.probe_every, floor) for s in states):
+            if plan or self.confident or any(s.idle >= max(s.probe_every, floor) for s in states):
                 return [self.max_k] * len(requests)
             return [0] * len(requests)
         choice, rate = list(plan[0]), plan[1]
@@ -430,16 +434,19 @@ class AdaptivePolicy(Policy):
         rate = E.sum(0) / (t_pass + ask)  # [K+1]: every row verifies j drafts
         return bool(rate[1:].max() > B / float(t_pass[0]) * (1.0 + self.config.min_gain))
 
-    def trim(self, requests, found: list[int]) -> list[int]:
+    def trim(self, requests, found: list[int], conf: list | None = None) -> list[int]:
         """For a model-free drafter, after proposing and before verifying: how many of the
         drafts found per row to verify. The drafts found are the drafter's own output, not
         the target's verdict, so deciding on them keeps the policy non-anticipating. Every
         row keeps up to j drafts, for the j that maximises expected tokens per second of a
         pass over j + 1 tokens per row (rows without a match cost that pass nothing more).
         The engine calls it only where self.trims (a model-free drafter's cost model); for
-        any other drafter it keeps what was found."""
+        any other drafter it keeps what was found. With conf (the drafter's own estimate
+        per draft found, Drafter.found_conf), _trim_confident() decides instead."""
         if not self.trims:
             return list(found)
+        if conf is not None and self.confident:
+            return self._trim_confident(requests, found, conf)
         states = [self._state(r) for r in requests]
         B, J = len(states), min(max(found, default=0), self.max_k)
         ids = [r.request_id for r in requests]
@@ -469,6 +476,46 @@ class AdaptivePolicy(Policy):
             for b in due:
                 states[b].probing = True
         return [int(min(fb, j)) for fb in f]
+
+    def bind_drafter(self, drafter) -> None:
+        """A model-free drafter that estimates its drafts' acceptance (suffix decoding) is
+        asked every step: its proposals cost microseconds and its estimates say where to
+        draft, which the per-position record of a drafter that is rarely asked cannot."""
+        self.confident = bool(self.costs.draft_free and drafter is not None and drafter.estimates_acceptance)
+
+    def _trim_confident(self, requests, found: list[int], conf: list) -> list[int]:
+        """trim() for a drafter that estimates each draft's acceptance (suffix decoding's
+        counts): draft i of row b is accepted, given the drafts before it were, with the
+        calibrated probability of its estimate (the calibration learns from every verdict,
+        starting from "the estimates are right"), and every row keeps up to j drafts for
+        the j that maximises expected tokens per second of a pass over j + 1 tokens per
+        row, j = 0 unless that beats plain decoding by min_gain. No probes: a row whose
+        drafter is confident drafts, and its verdicts correct the calibration. Only the
+        drafter's estimates and past verdicts enter, so the rule stays non-anticipating."""
+        B = len(found)
+        J = min(max(found, default=0), self.max_k)
+        states = [self._state(r) for r in requests]
+        for s in states:
+            s.probing = False
+        if J == 0:
+            return [0] * B
+        f = np.minimum(np.asarray(found), J)
+        a = np.zeros((B, J))
+        for b in range(B):
+            c = list(conf[b])[: int(f[b])]
+            if c:
+                a[b, : len(c)] = self.calibrated(np.clip(c, 0.0, 1.0))
+        E = np.concatenate([np.ones((B, 1)), 1.0 + np.cumsum(np.cumprod(a, axis=1), axis=1)], axis=1)  # [B, J+1]
+        t_pass = self._pass_costs(B)[0][: J + 1]
+        rate = E.sum(0) / t_pass
+        j = int(np.argmax(rate))
+        if rate[j] <= rate[0] * (1.0 + self.config.min_gain):
+            j = 0
+        kept = [int(min(fb, j)) for fb in f]
+        for r, kb, c in zip(requests, kept, conf):
+            if kb:  # observe() records them against the verdicts
+                self._conf[r.request_id] = [float(x) for x in list(c)[:kb]]
+        return kept
 
     def observe(self, requests, k, accepted) -> None:
         """The step's outcome: k[b] the drafts asked of row b as the engine settled them

@@ -25,8 +25,13 @@ class Policy(ABC):
                       draft_s: float, verify_s: float) -> None:
         """The step's measured times (a policy without a cost model ignores them)."""
 
-    def trim(self, requests: list, found: list[int]) -> list[int]:
-        """How many of the drafts found per row to verify: all of them."""
+    def bind_drafter(self, drafter) -> None:
+        """What the policy may know of the engine's drafter before the first step (a
+        policy that reads nothing of it ignores it)."""
+
+    def trim(self, requests: list, found: list[int], conf: list | None = None) -> list[int]:
+        """How many of the drafts found per row to verify: all of them. conf: the
+        drafter's own per-draft estimates (Drafter.found_conf), where it has them."""
         return list(found)
 
     def halt(self, requests: list, k: list[int], i: int, active: list[int], conf) -> list[bool]:
@@ -78,8 +83,11 @@ class PolicyWrapper(Policy):
     def observe_costs(self, B, tokens_per_row, drafting_rows, drafts, draft_s, verify_s):
         self.inner.observe_costs(B, tokens_per_row, drafting_rows, drafts, draft_s, verify_s)
 
-    def trim(self, requests, found):
-        return self.inner.trim(requests, found)
+    def bind_drafter(self, drafter):
+        self.inner.bind_drafter(drafter)
+
+    def trim(self, requests, found, conf=None):
+        return self.inner.trim(requests, found) if conf is None else self.inner.trim(requests, found, conf)
 
     def halt(self, requests, k, i, active, conf):
         return self.inner.halt(requests, k, i, active, conf)
