@@ -42,6 +42,7 @@ a deterministic greedy run; a guide from timing is not reproducible, and the fig
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 import math
 import random
 import time
@@ -169,7 +170,7 @@ class Candidate:
                 "pairs": [asdict(t) for t in self.trials], "output": self.output[:300], "error": self.error}
 
 
-class Subject:
+class Subject(ABC):
     """What the search measures: a deployment and its plain reference (engine or endpoint).
     acceptance_source: where the guide's acceptance comes from, in words; reproducible:
     whether the guide is a deterministic greedy record (the same seed finds the same prompts)."""
@@ -177,16 +178,18 @@ class Subject:
     acceptance_source = "none"
     reproducible = False
 
+    @abstractmethod
     def evaluate(self, c: Candidate, spec_first: bool) -> None:
         """One timed pair (appended to c.trials), the guide (c.tokens, drafted, accepted,
         passes) and c.output; sets c.error on a prompt the deployment refuses."""
-        raise NotImplementedError
 
+    @abstractmethod
     def pair(self, c: Candidate, spec_first: bool) -> Trial:
-        raise NotImplementedError
+        """One timed pair, plain and speculative, in the order spec_first says."""
 
+    @abstractmethod
     def perplexity(self, c: Candidate) -> float | None:
-        raise NotImplementedError
+        """The reference's perplexity of c.output (None where it cannot be scored)."""
 
     def close(self) -> None:
         pass
