@@ -18,6 +18,7 @@ shortens, is half the wall time at batch 1).
 
     python benchmarks/bench_suffix.py --per-slice 2 --max-tokens 96 --batch 1
     python benchmarks/bench_suffix.py --configs llama-plain,verispec-suffix --batch 4
+    python benchmarks/bench_suffix.py --replot run.json --plot run.png
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ VERISPEC = {
     "verispec-suffix": ("--draft", "suffix"),
     # what the drafts are worth where the policy does not decide: 4 drafts whenever found
     "verispec-suffix-k4": ("--draft", "suffix", "--policy", "fixed", "--k", "4"),
+    # draft trees of up to 4 branches, priced node by node by the adaptive policy
+    "verispec-suffix-tree": ("--draft", "suffix:width=4"),
 }
 
 
@@ -112,9 +115,19 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096, help="context per slot / row")
     ap.add_argument("--pause", type=float, default=0.5, help="seconds before each request")
     ap.add_argument("--configs", default=",".join([*LLAMA, "verispec-plain", "verispec-lookup", "verispec-suffix",
-                                                       "verispec-suffix-k4"]))
+                                                       "verispec-suffix-k4", "verispec-suffix-tree"]))
     ap.add_argument("--out", default=None, help="JSON of every request (default: print only)")
+    ap.add_argument("--plot", default=None, help="PNG of the per-slice speedups (end to end and decode)")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="redraw the tables and --plot from a run's --out JSON, running nothing")
     args = ap.parse_args()
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        for key, value in saved["args"].items():
+            if key not in ("plot", "replot", "out"):
+                setattr(args, key, value)
+        report(saved["requests"], list(saved["requests"]), args)
+        return
     names = args.configs.split(",")
     unknown = [n for n in names if n not in LLAMA and n not in VERISPEC]
     if unknown or "llama-plain" not in names:
@@ -181,6 +194,38 @@ def report(rows: dict, names: list[str], args) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "summary": table, "requests": rows}, indent=1))
         print(f"wrote {args.out}")
+    if args.plot:
+        plot(table, [*slice_names, "pooled"], args)
+        print(f"wrote {args.plot}")
+
+
+def plot(table: dict, cols: list[str], args) -> None:
+    """Two panels (end to end, decode): one group of bars per slice, one bar per config, the
+    speedup over llama-server plain; a line at 1.0x."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in table if n != "llama-plain"]
+    fig, axes = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True)
+    width = 0.8 / len(names)
+    cmap = plt.get_cmap("tab10")
+    for ax, key, title in ((axes[0], "end_to_end", "end to end"), (axes[1], "decode", "decode (after the first token)")):
+        for i, n in enumerate(names):
+            xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(cols))]
+            ax.bar(xs, [table[n][key][c] for c in cols], width, label=n, color=cmap(i % 10),
+                   hatch="//" if n.startswith("verispec") else None, edgecolor="white", linewidth=0.3)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_ylabel("speedup over llama-server plain")
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.grid(axis="y", alpha=0.3)
+    axes[1].set_xticks(range(len(cols)), cols)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, ncol=5, fontsize=8, loc="lower center")
+    fig.suptitle(f"{args.target}, {args.threads} threads, batch {args.batch}, {args.max_tokens} tokens, "
+                 f"suite {args.suite} ({args.per_slice} a slice)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(args.plot, dpi=110)
 
 
 if __name__ == "__main__":

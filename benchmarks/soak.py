@@ -148,7 +148,9 @@ def proc_stats(pid: int) -> dict:
 
 def gauges(text: str) -> dict:
     want = {"verispec_cache_rows_in_use": "rows_in_use", "verispec_num_requests_running": "running",
-            "verispec_num_requests_waiting": "waiting"}
+            "verispec_num_requests_waiting": "waiting", "verispec_suffix_cache_nodes": "suffix_nodes",
+            "verispec_suffix_cache_max_nodes": "suffix_max_nodes", "verispec_suffix_cache_sequences": "suffix_sequences",
+            "verispec_suffix_cache_evictions_total": "suffix_evictions"}
     out = {}
     for line in text.splitlines():
         if line.startswith("#") or not line:
@@ -449,6 +451,10 @@ def verdict(res: dict, args, shutdown: dict | None) -> tuple[dict, list[str]]:
             and last["rss_mb"] - quarter["rss_mb"] > args.rss_growth_mb:
         problems.append(f"RSS grew {quarter['rss_mb']:.0f} -> {last['rss_mb']:.0f} MiB after the first quarter "
                         f"(bound {args.rss_growth_mb} MiB)")
+    over = [x for x in s if x.get("suffix_nodes") is not None and x["suffix_nodes"] > x["suffix_max_nodes"]]
+    if over:
+        problems.append(f"the suffix cache held {max(x['suffix_nodes'] for x in over)} trie nodes, over its bound "
+                        f"of {over[0]['suffix_max_nodes']}, in {len(over)} samples")
     if t.mismatches:
         problems.append(f"{len(t.mismatches)} checked answers differ from their reference")
     if t.unexpected:
@@ -468,6 +474,10 @@ def verdict(res: dict, args, shutdown: dict | None) -> tuple[dict, list[str]]:
         "threads": {"start": first.get("threads"), "end": last.get("threads")},
         "rows_in_use": {"start": first.get("rows_in_use"), "max": max((x.get("rows_in_use") or 0) for x in s),
                         "end": last.get("rows_in_use")},
+        "suffix_cache": None if last.get("suffix_max_nodes") is None else {
+            "max_nodes": last["suffix_max_nodes"], "peak_nodes": max(x.get("suffix_nodes") or 0 for x in s),
+            "end_nodes": last.get("suffix_nodes"), "end_sequences": last.get("suffix_sequences"),
+            "evictions": last.get("suffix_evictions")},
         "cancelled_in_engine": (last.get("finish_cancelled") or 0) - (first.get("finish_cancelled") or 0),
         "shutdown": shutdown, "mismatch_examples": t.mismatches[:5], "unexpected_examples": t.unexpected[:5],
         "samples": s,
@@ -489,6 +499,9 @@ def print_table(sm: dict) -> None:
         ("unexpected answers", str(sm["unexpected"])),
         ("RSS start/quarter/end", " / ".join(_mb(sm["rss_mb"][k]) for k in ("start", "quarter", "end"))),
         ("rows in use start/max/end", " / ".join(str(sm["rows_in_use"][k]) for k in ("start", "max", "end"))),
+        ("suffix cache nodes peak/bound", "-" if sm["suffix_cache"] is None else
+         f"{sm['suffix_cache']['peak_nodes']} / {sm['suffix_cache']['max_nodes']} "
+         f"({sm['suffix_cache']['evictions']} evictions, {sm['suffix_cache']['end_sequences']} sequences held)"),
         ("open fds start/end", f"{sm['fds']['start']} / {sm['fds']['end']}"),
         ("threads start/end", f"{sm['threads']['start']} / {sm['threads']['end']}"),
         ("SIGTERM", "-" if sm["shutdown"] is None else

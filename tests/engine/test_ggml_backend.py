@@ -319,6 +319,23 @@ def test_greedy_speculative_equals_plain_lookup_and_draft_model(smol, noise):
         assert sum(r.stats.accepted for r in same) >= 0.9 * sum(r.stats.drafted for r in same)
 
 
+def test_draft_trees_on_ggml_equal_plain(smol, noise):
+    """Draft trees (each branch a sequence id of its own, a node in every branch below it)
+    around plain decoding's continuation, wrong siblings before and after the right node, at
+    batch 1, 4 and 8: greedy output is plain decoding's but where a near-tie inside the
+    backend's measured noise flips, with paths taken off later siblings too."""
+    from tests.engine.test_tree_verify import TreeOracle
+    m = smol.model
+    prompts = _prompts(smol.tokenizer, 8)
+    plain = [r.output_ids for r in _run(m, prompts, batch=1, max_new=16)]
+    ref = {tuple(p): o for p, o in zip(prompts, plain)}
+    for batch in (1, 4, 8):
+        d = TreeOracle(ref, rate=0.8, width=4, seed=batch)
+        got = _run(m, prompts, d, k=6, batch=batch, max_new=16)
+        assert d.trees > 10 and sum(r.stats.accepted for r in got) > 40
+        assert_equivalent(m, prompts, plain, [r.output_ids for r in got], noise, 0.5)
+
+
 def test_prompt_cache_snapshots_ggml_rows(smol):
     from verispec.engine import PromptCache
     m = smol.model

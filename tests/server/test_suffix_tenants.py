@@ -45,6 +45,14 @@ def test_two_keys_never_receive_drafts_from_each_others_text():
         assert {sc for sc, _ in calls} == {a} and any(toks for _, toks in calls)
         assert c.post("/v1/completions", headers={"Authorization": "Bearer sk-other"},
                       json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 401
+        # /metrics reports the cache against its bound (what a soak watches)
+        m = c.get("/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).text
+        values = {line.partition("{")[0]: float(line.rpartition(" ")[2]) for line in m.splitlines()
+                  if line.startswith("verispec_suffix_cache_")}
+        st = cache.stats()
+        assert values["verispec_suffix_cache_nodes"] == st["nodes"] > 0
+        assert values["verispec_suffix_cache_max_nodes"] == st["max_nodes"]
+        assert values["verispec_suffix_cache_sequences"] == 3 and values["verispec_suffix_cache_scopes"] == 2
     assert text_b == text_a  # greedy: the drafts change the speed, never the text
     st = cache.stats()
     assert st["scopes"] == 2 and st["sequences"] == 3

@@ -25,7 +25,9 @@ def test_options_parse_and_bad_ones_are_refused():
     s = SuffixSettings.parse("depth=16,factor=2,offset=1,min-prob=0.05,cache=0")
     assert (s.max_depth, s.max_spec_factor, s.max_spec_offset, s.min_token_prob, s.cache_nodes) == (16, 2.0, 1.0, 0.05, 0)
     assert SuffixSettings.parse("") == SuffixSettings()
-    for bad in ("depth", "width=3", "depth=x", "depth=1", "min-prob=2", "cache=-1", "factor=-1"):
+    assert SuffixSettings.parse("width=4").width == 4
+    for bad in ("depth", "breadth=3", "width=0", "width=9", "depth=x", "depth=1", "min-prob=2", "cache=-1",
+                "factor=-1"):
         with pytest.raises(ValueError, match="suffix"):
             SuffixSettings.parse(bad)
     d = make_drafter("suffix:cache=0", None, None, max_rows=1, max_len=64)
@@ -122,3 +124,35 @@ def test_proposals_carry_the_tries_estimates_shrunk_by_match_length():
     assert drafts[0] == [8, 9, 5][:len(drafts[0])] and drafts[0] and drafts[1] == []
     assert len(d.found_conf[0]) == len(drafts[0]) and d.found_conf[1] == []
     assert all(0.0 < c < 1.0 for c in d.found_conf[0])
+
+
+def test_tree_proposals_grow_best_first_within_width():
+    """The trie's tree: nodes in best-first order of path probability (parents first), at most
+    `width` leaves, and with width 1 exactly the linear proposal."""
+    from verispec.drafters.suffix_tree import SuffixTrie
+    from verispec.verify.tree import DraftTree
+
+    t = SuffixTrie(24)
+    t.extend(0, [1, 2, 3, 4, 5, 1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 1, 2, 7, 7])
+    line = t.propose([1, 2], 8, max_spec_factor=4)
+    one = t.propose_tree([1, 2], 8, 1, max_spec_factor=4)
+    assert (one.tokens, one.probs) == (line.tokens, line.probs) and one.parents == list(range(-1, 7))
+    tree = t.propose_tree([1, 2], 8, 3, max_spec_factor=4)
+    DraftTree(tree.tokens, tree.parents)  # siblings distinct, parents first
+    assert tree.tokens[0] == 3 and 7 in [tok for tok, p in zip(tree.tokens, tree.parents) if p == -1]
+    assert tree.probs == sorted(tree.probs, reverse=True)
+    leaves = [i for i in range(len(tree.tokens)) if i not in tree.parents]
+    assert 1 < len(leaves) <= 3
+    # a second branch is priced like any node: after "1 2", "7" (1 of 4) is as likely as "3 9"
+    assert abs(sum(tree.probs) - tree.score) < 1e-12
+
+
+def test_suffix_drafter_proposes_trees_with_width():
+    d = SuffixDrafter(SuffixSettings(cache_nodes=0, max_spec_factor=4, width=3))
+    seq = [1, 2, 3, 4, 5, 1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 1, 2, 7, 7, 1, 2]
+    d.admit([0], [seq])
+    out, q, n = d.propose([0], [seq], [6], [None], [None])
+    parents = d.found_parents[0]
+    assert q is None and int(n[0]) == len(parents) == 6 and len(d.found_conf[0]) == 6
+    assert parents.count(-1) >= 2  # two continuations of "1 2" drafted side by side
+    assert all(0 < c <= 1 for c in d.found_conf[0])

@@ -75,13 +75,28 @@ def check_request(oracle: Oracle, req, k: int, logits_cache: dict,
         from ..drafters.suffix import SuffixDrafter
         replay = SuffixDrafter(replace(oracle.suffix, cache_nodes=0))
         replay.admit([0], [full[:P]])
-    for step, (n0, drafted, acc, asked) in enumerate(req.stats.trace):
+    trees = req.stats.trace_trees or [None] * len(req.stats.trace)
+    proposed = req.stats.trace_asked or [a for _, _, _, a in req.stats.trace]
+    for step, ((n0, drafted, acc, asked), tree, ask) in enumerate(zip(req.stats.trace, trees, proposed)):
         k_eff = min(asked, k)  # what the engine asked the drafter for (policy choice, capped)
+        if oracle.kind == "suffix" and oracle.suffix.width > 1 and k_eff:
+            # a tree drafter: its whole proposal is a function of the prefix, asked for `ask`
+            # nodes and kept to the verified prefix by the policy
+            want = replay.tree(0, full[:n0], min(ask, k))
+            got = tree if tree is not None else (drafted[:k_eff], list(range(-1, k_eff - 1)))
+            exp = (want.tokens[:k_eff], want.parents[:k_eff])
+            if (list(got[0]), list(got[1])) != (list(exp[0]), list(exp[1])):
+                bad.append({"step": step, "position": n0, "drafted": list(got[0]), "parents": list(got[1]),
+                            "expected": list(exp[0]), "expected_parents": list(exp[1])})
+            else:
+                compared += len(got[0])
+            continue
         if oracle.kind in ("lookup", "suffix"):
             if not k_eff:
                 expected = []
             elif replay is not None:
-                expected = replay.continuation(0, full[:n0], k_eff)
+                # proposed with what the drafter was asked for, kept to what was verified
+                expected = replay.continuation(0, full[:n0], min(ask, k))[:k_eff]
             else:
                 expected = lookup_continuation(full[:n0], k_eff, oracle.max_ngram)
             if len(drafted) != len(expected):

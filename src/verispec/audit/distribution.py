@@ -90,8 +90,12 @@ def _mechanisms(r: Request, p: torch.Tensor, q: torch.Tensor | None = None):
     tokens equal to a rejected one-hot draft (impossible under the exact rule)."""
     P = len(r.prompt_ids)
     calib, recovered, bonus, impossible = [], [], [], 0
-    for step, ((n0, drafts, acc, _), qd) in enumerate(zip(r.stats.trace, r.stats.draft_q)):
+    trees = r.stats.trace_trees or [None] * len(r.stats.trace)
+    for step, ((n0, drafts, acc, _), qd, tree) in enumerate(zip(r.stats.trace, r.stats.draft_q, trees)):
         if not drafts or qd is None:
+            continue
+        if tree is not None:  # a draft tree, verified by the walk (verify/tree.py)
+            calib += _tree_calibration(r, p, n0 - P, tree, drafts[:acc])
             continue
         for i in range(min(acc + 1, len(drafts))):  # the drafts the rule looked at
             j = n0 + i - P  # output index of the token emitted at draft i's position
@@ -119,6 +123,27 @@ def _mechanisms(r: Request, p: torch.Tensor, q: torch.Tensor | None = None):
         if acc == len(drafts) and j < p.shape[0]:
             bonus.append(j)
     return calib, recovered, bonus, impossible
+
+
+def _tree_calibration(r: Request, p: torch.Tensor, j0: int, tree, accepted: list[int]) -> list[tuple[float, int]]:
+    """A draft tree step's verified drafts as (a, kept): every child of a node the walk
+    reached (the root, then each accepted node) was tried, and the walk emits it with
+    probability exactly p(child) there (one draw from p per node, children distinct), so
+    a = p(child) and kept = whether the token emitted at that depth is the child."""
+    toks, parents = tree
+    out, node = [], -1  # -1: the root
+    for depth in range(len(accepted) + 1):
+        j = j0 + depth  # output index of the token drawn at this depth
+        if j >= p.shape[0] or j >= len(r.output_ids):
+            break
+        kids = [i for i, par in enumerate(parents) if par == node]
+        out += [(float(p[j, toks[i]]), int(r.output_ids[j] == toks[i])) for i in kids]
+        if depth == len(accepted):
+            break
+        node = next((i for i in kids if toks[i] == accepted[depth]), None)
+        if node is None:  # the trace disagrees with its tree: count nothing more of this step
+            break
+    return out
 
 
 def _draft_pits(r: Request, g: torch.Generator) -> list[float]:
@@ -490,7 +515,13 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
                        sh["label"] + ("" if sh["label"] == sh["values"] else f" ({sh['values']})")
                        + f": {sh['tokens']} tokens, {sh['verified_drafts']} verified drafts" for sh in share)
                    + thin_txt + "; " + _power_txt(power))
+    from .equivalence import tree_steps
+    trees = tree_steps(reqs)  # draft-tree steps: their tokens are in the PIT (the walk draws from p)
+    if trees["tree_steps"] and not failed and not inconclusive:
+        summary += (f"; {trees['tree_tokens']} of the tokens from {trees['tree_steps']} draft-tree steps "
+                    f"({trees['tree_later_sibling']} taken off a later sibling)")
     figures = {"temperature": cfg.temperature, "temperatures": list(cfg.temperatures), "settings": share,
+               **trees,
                "rule": cfg.rule, "alpha": ALPHA, "alpha_each": alpha_each, "correction": "Bonferroni",
                **pit.to_dict(), "tests": tests, "verified_drafts": verified,
                "min_verified_drafts": cfg.min_verified_drafts, "inconclusive": inconclusive,

@@ -209,7 +209,12 @@ def equivalence_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
                   f"(measured batching noise; null run, plain b={null['batch']}: "
                   f"{null['differ']}/{null['prompts']} differ, {null['beyond_noise']} beyond the noise)")
                + ("" if passed else "; " + "; ".join(failures)))
+    trees = tree_steps([r for _, reqs, _ in configs for r in reqs])
+    if trees["tree_steps"]:
+        summary += (f"; {trees['tree_steps']} draft-tree steps verified, {trees['tree_later_sibling']} "
+                    "taken off a later sibling")
     figures = {"exact_match_by_batch": {str(r["batch"]): r["exact_match_rate"] for r in main},
+               **trees,
                "forced_exact_match": next((r["exact_match_rate"] for r in per_batch if r not in main), None),
                "drafts_verified": sum(r["drafted"] for r in per_batch),
                "min_exact_match": worst["exact_match_rate"],
@@ -223,6 +228,31 @@ def equivalence_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
                "reference": "plain decoding, batch 1, greedy", "greedy_seconds": round(runs.seconds, 1)}
     return CheckResult("equivalence", passed, summary, figures,
                        {"per_batch": per_batch, "prompts": rows})
+
+
+def tree_steps(reqs) -> dict:
+    """How much draft-tree verification (verify/tree.py) the runs exercised, from their traces:
+    steps whose drafts branched, and of those the steps whose accepted path left the first
+    child somewhere (the paths a fault of a tree's positions, mask or walk breaks; the
+    first-child line alone is a linear draft). A tree step's trace entry starts with its
+    accepted path's tokens."""
+    steps = later = tokens = 0
+    for r in reqs:
+        for (_, walked, acc, _), tree in zip(r.stats.trace, r.stats.trace_trees):
+            if tree is None:
+                continue
+            steps += 1
+            tokens += acc + 1
+            toks, parents = tree
+            first: dict[int, int] = {}
+            for i, p in enumerate(parents):
+                first.setdefault(p, i)
+            line, node = [], -1
+            while node in first and len(line) < acc:
+                node = first[node]
+                line.append(toks[node])
+            later += line != walked[:acc]
+    return {"tree_steps": steps, "tree_later_sibling": later, "tree_tokens": tokens}
 
 
 def null_run(ctx: AuditContext, runs: GreedyRuns, margin_fn_for, tie: dict) -> dict:

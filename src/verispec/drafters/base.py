@@ -63,6 +63,11 @@ class Drafter(ABC):
     # a model-free drafter that counts (suffix decoding); None: no estimate
     found_conf: list | None = None
     estimates_acceptance: bool = False  # propose() sets found_conf
+    # the most branches a proposal may have (a draft tree, verify/tree.py); 1: linear drafts.
+    # With more, propose() sets found_parents: per row, each draft's parent index (-1: the
+    # pending token), best-first, so that any prefix of a row's drafts is a tree
+    tree_width: int = 1
+    found_parents: list | None = None
 
     prompt_cache = None  # with reuses_prefills: the PromptCache its prefills read and fill
     hooks: DrafterHooks | None = None  # None: the correct behaviour, with nothing to call
@@ -108,6 +113,11 @@ class Drafter(ABC):
         """Before release(): the rows' requests finished (stop or length) with these whole
         sequences. A drafter that learns from earlier requests (suffix decoding's global
         cache) keeps them; the others need nothing of it."""
+
+    def cache_stats(self) -> dict | None:
+        """The size of what the drafter keeps across requests (suffix decoding's global cache:
+        SuffixCache.stats()), for the server's metrics; None where it keeps nothing."""
+        return None
 
     @abstractmethod
     def prepare(self, rows: list[int], tokens: list[list[int]]) -> None: ...

@@ -14,6 +14,7 @@ and need no tensor library.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 import threading
 from collections import deque
@@ -30,6 +31,20 @@ class Proposal:
     the empty proposal (no match)."""
 
     tokens: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    match_len: int = 0
+    score: float = 0.0
+
+
+@dataclass(frozen=True)
+class TreeProposal:
+    """A speculation tree (verify/tree.py's DraftTree, best-first): node i is tokens[i]
+    under parents[i] (-1: the root, the context's end), probs[i] the estimated probability
+    that the path to it is accepted; match_len and score (the sum of probs, the expected
+    accepted tokens) as in Proposal."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)
     match_len: int = 0
     score: float = 0.0
@@ -217,6 +232,70 @@ class SuffixTrie:
         return best
 
 
+    def propose_tree(self, context: list[int], max_nodes: int, max_width: int, *,
+                     max_spec_factor: float = 1.0, max_spec_offset: float = 0.0,
+                     min_token_prob: float = 0.1) -> TreeProposal:
+        """Speculate a tree: for every matching suffix length, grow it best-first from the
+        match, always adding the candidate whose path probability (the product of
+        child.count / child_sum along it) is highest, while that is at least min_token_prob,
+        the tree has at most max_nodes nodes and max_width leaves, and no path is longer than
+        floor(max_spec_factor * match_len + max_spec_offset). The highest-scoring tree wins,
+        ties going to the longer match. With max_width 1 it is propose()'s chain."""
+        if max_nodes < 0 or max_width < 1:
+            raise ValueError(f"max_nodes must be >= 0 and max_width >= 1, got {max_nodes}, {max_width}")
+        best = TreeProposal()
+        if max_nodes == 0:
+            return best
+        for match_len, node in enumerate(self._matches(context), start=1):
+            limit = min(max_nodes, math.floor(max_spec_factor * match_len + max_spec_offset))
+            tree = self._grow(node, max_nodes, max_width, limit, min_token_prob)
+            tree = TreeProposal(*tree, match_len=match_len, score=sum(tree[2]))
+            if tree.tokens and tree.score >= best.score:
+                best = tree
+        return best
+
+    @staticmethod
+    def _grow(start: _Node, max_nodes: int, max_width: int, limit: int, min_prob: float):
+        """Best-first growth below start: (tokens, parents, probs)."""
+        toks: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        if limit < 1:
+            return toks, parents, probs
+        kids = [0]  # children added per node, the root (index 0 here) first
+        leaves = 0
+        heap: list = []
+        order = 0
+
+        def push(node: _Node, parent: int, p: float, depth: int) -> None:
+            nonlocal order
+            if depth > limit or not node.children:
+                return
+            top = heapq.nlargest(max_width, node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
+            for t, child in top:
+                q = p * child.count / node.child_sum
+                if q >= min_prob:
+                    order += 1
+                    heapq.heappush(heap, (-q, order, t, child, parent, depth))
+
+        push(start, -1, 1.0, 1)
+        while heap and len(toks) < max_nodes:
+            negq, _, t, child, parent, depth = heapq.heappop(heap)
+            # a child of the root, or a second child anywhere, is one more leaf; a first child
+            # under a node replaces that node as a leaf
+            grows = 1 if parent == -1 or kids[parent + 1] > 0 else 0
+            if leaves + grows > max_width:
+                continue
+            leaves += grows
+            toks.append(t)
+            parents.append(parent)
+            probs.append(-negq)
+            kids[parent + 1] += 1
+            kids.append(0)
+            push(child, len(toks) - 1, -negq, depth + 1)
+        return toks, parents, probs
+
+
 class SuffixCache:
     """The cache of earlier requests' text that the drafter speculates from, bounded in
     nodes (and optionally in sequences), one trie per scope so that text never crosses
@@ -316,6 +395,17 @@ class SuffixCache:
                 return Proposal()
             return trie.propose(context, max_tokens, max_spec_factor=max_spec_factor,
                                 max_spec_offset=max_spec_offset, min_token_prob=min_token_prob)
+
+    def propose_tree(self, scope: str | None, context: list[int], max_nodes: int, max_width: int, *,
+                     max_spec_factor: float = 1.0, max_spec_offset: float = 0.0,
+                     min_token_prob: float = 0.1) -> TreeProposal:
+        """SuffixTrie.propose_tree on scope's trie alone; the empty tree if it has none."""
+        with self._lock:
+            trie = self._tries.get(scope)
+            if trie is None:
+                return TreeProposal()
+            return trie.propose_tree(context, max_nodes, max_width, max_spec_factor=max_spec_factor,
+                                     max_spec_offset=max_spec_offset, min_token_prob=min_token_prob)
 
     def stats(self) -> dict[str, int | None]:
         with self._lock:

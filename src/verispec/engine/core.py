@@ -19,6 +19,8 @@ import torch
 
 from ..policy import FixedK
 from ..verify import LOSSY_RULES, RULES
+from ..verify.rules import argmax_last
+from ..verify.tree import depths as tree_depths, is_chain
 from ..models.prefill import prefill
 from .hooks import CORRECT, StepHooks
 from .request import Request
@@ -108,6 +110,7 @@ class StepRecord:
     reqs: list[Request]
     t0: float  # the step's start
     k: list[int] = field(default_factory=list)  # drafts per row, as the policy settled it
+    asked: list[int] = field(default_factory=list)  # drafts per row asked of the drafter (before halt/trim)
     K: int = 0  # the widest row's drafts found (the verify pass is K + 1 wide)
     drafts: torch.Tensor | None = None  # [B,K] long
     q: torch.Tensor | None = None  # [B,K,V] the drafter's q, or None (one-hot)
@@ -124,6 +127,12 @@ class StepRecord:
     t_draft: float = 0.0  # drafting starts
     t_verify: float = 0.0  # drafting ends
     t_accept: float = 0.0  # the verify pass ends
+
+    # a draft tree step (some row's drafts branch; verify/tree.py): each row's node parents
+    # (a chain for a linear row), the slots' depths [B,K+1] and each row's kept slots
+    parents: list[list[int]] | None = None
+    depth: torch.Tensor | None = None
+    paths: dict = field(default_factory=dict)  # row index -> slots kept (root first)
 
     B: int = 0
     rows: list[int] = field(default_factory=list)
@@ -158,6 +167,14 @@ class Engine:
         self._draft_budget, self._pending_tokens, self._append = h.draft_budget, h.pending_tokens, h.append
         self._committed_length, self._verify_probs, self._keyed_noise = h.committed_length, h.verify_probs, h.keyed_noise
         self._verify_rule = h.verify
+        self._tree_layout, self._tree_walk = h.tree_layout, h.tree_walk
+        width = 1 if drafter is None else drafter.tree_width
+        if width > 1 and not getattr(target, "supports_trees", False):
+            raise ValueError(f"drafter {drafter.name!r} proposes trees of {width} branches, which this "
+                             f"{getattr(target, 'runtime', 'model')} backend cannot verify in one pass "
+                             "(ggml in batch-invariant mode keeps one sequence per row): use width=1")
+        if width > 1 and config.lossy:
+            raise ValueError(f"rule {config.rule!r} verifies linear drafts only; draft trees need an exact rule")
 
     # -- lifecycle -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -325,6 +342,7 @@ class Engine:
         """How many drafts per row: the policy's choice, capped by what the row can still emit."""
         k = self.policy.choose(s.reqs) if self.drafter is not None else [0] * s.B
         s.k = [max(0, min(kb, self._draft_budget(r))) for kb, r in zip(k, s.reqs)]
+        s.asked = list(s.k)
 
     def _propose(self, s: "StepRecord") -> None:
         """The drafts. Work the drafter deferred until a row drafts (a draft model's
@@ -351,11 +369,20 @@ class Engine:
         else:
             drafts, q, num = torch.zeros(s.B, 0, dtype=torch.long), None, torch.zeros(s.B, dtype=torch.long)
         s.t_verify = time.perf_counter()  # trimming counts with the verify pass
+        parents = self.drafter.found_parents if max(k) > 0 else None  # a tree per row, or None
         if max(k) > 0 and self.policy.trims:
-            conf = self.drafter.found_conf  # the drafter's own estimates, where it has them
-            kept = self.policy.trim(reqs, num.tolist()) if conf is None else self.policy.trim(reqs, num.tolist(), conf)
+            kw = {}
+            if self.drafter.found_conf is not None:  # the drafter's own estimates, where it has them
+                kw["conf"] = self.drafter.found_conf
+            if parents is not None:
+                kw["parents"] = parents
+            kept = self.policy.trim(reqs, num.tolist(), **kw)
             num = torch.minimum(num, torch.tensor(kept, dtype=torch.long))
             s.k = num.tolist()
+        if parents is not None:  # a kept prefix of a best-first tree is a tree
+            trimmed = [list(p[:n]) for p, n in zip(parents, num.tolist())]
+            if not all(is_chain(p) for p in trimmed):
+                s.parents = trimmed
         # a drafter may find fewer drafts than asked (prompt lookup without a match): no
         # pass pays for padding columns that no row uses
         s.K = int(num.max())
@@ -367,7 +394,12 @@ class Engine:
         finite at the positions it verifies fails alone."""
         pending = self._pending_tokens(s.reqs, self.times.steps)  # [B,1]
         x = torch.cat([pending, s.drafts], dim=1) if s.K else pending  # [B,K+1]
-        s.logits = self.target.forward(x, self.cache, s.rows, [n + 1 for n in s.num_l])  # [B,K+1,V]
+        if s.parents is None:
+            s.logits = self.target.forward(x, self.cache, s.rows, [n + 1 for n in s.num_l])  # [B,K+1,V]
+        else:
+            s.depth, visible = self._tree_layout(s.parents, s.K + 1)  # [B,K+1], [B,K+1,K+1]
+            s.logits = self.target.forward(x, self.cache, s.rows, [n + 1 for n in s.num_l],
+                                           tree=(s.depth, visible))
         s.t_accept = time.perf_counter()
         finite = finite_positions(s.logits)  # sync: [B][K+1] flags
         s.failed = {b: "the model's logits are not finite" for b in range(s.B)
@@ -378,6 +410,8 @@ class Engine:
         source (noise keyed on (seed, position) for seeded rows, else a generator). A row
         whose sampling distribution is not finite, or whose rule raises, fails alone."""
         B, K, logits, drafts, num = s.B, s.K, s.logits, s.drafts, s.num
+        if s.parents is not None:
+            return self._accept_tree(s)
         greedy = [b for b, r in enumerate(s.reqs) if r.params.sampling.greedy and b not in s.failed]
         if len(greedy) == B:  # every row greedy: no copy of the logits
             s.out, s.n_acc = self._verify_rule("greedy", logits, None, drafts, num, None)
@@ -400,6 +434,48 @@ class Engine:
                 s.failed[b] = f"{type(e).__name__}: {e}"
                 continue
             s.out[b], s.n_acc[b] = o[0], a[0]
+
+    def _accept_tree(self, s: "StepRecord") -> None:
+        """Accept a draft tree per row (verify/tree.walk): at each node the target's token is
+        drawn as plain decoding draws it there (greedy: the argmax; seeded: the argmax of
+        log p plus the noise keyed on (seed, sequence index), which depends on the node's
+        depth; otherwise one draw from p with the request's generator), and the walk goes on
+        while that token is a child. A row that fails fails alone."""
+        B, K = s.B, s.K
+        s.out = torch.full((B, K + 1), -1, dtype=torch.long)
+        s.n_acc = torch.zeros(B, dtype=torch.long)
+        depth_l = s.depth.tolist()
+        drafts_l = s.drafts.tolist()
+        for b, r in enumerate(s.reqs):
+            if b in s.failed:
+                continue
+            n = s.num_l[b]
+            sp = r.params.sampling
+            try:
+                rule = self.rule_for(r)
+                if rule == "greedy":
+                    best = argmax_last(s.logits[b, :n + 1].contiguous()).tolist()
+                    draw = lambda slot, d, best=best: best[slot]  # noqa: E731
+                else:
+                    p = self._verify_probs(s.logits[b:b + 1, :n + 1], sp)[0]  # [n+1,V]
+                    if not bool(torch.isfinite(p).all()):
+                        raise FloatingPointError("the sampling distribution is not finite")
+                    if rule == "coupled":
+                        dmax = max(depth_l[b][:n + 1])
+                        noise = self._keyed_noise(sp.seed, range(s.n0[b], s.n0[b] + dmax + 1), p.shape[-1])
+                        at = torch.tensor(depth_l[b][:n + 1])
+                        best = argmax_last((torch.log(p.double()) + noise[at]).contiguous()).tolist()
+                        draw = lambda slot, d, best=best: best[slot]  # noqa: E731
+                    else:  # one draw per emitted token from the request's generator, as plain decoding
+                        g = r.generator
+                        draw = lambda slot, d, p=p, g=g: int(torch.multinomial(p[slot], 1, generator=g))  # noqa: E731
+                w = self._tree_walk(s.parents[b], drafts_l[b][:n], draw)
+            except Exception as e:  # noqa: BLE001 - this row fails; the batch goes on
+                s.failed[b] = f"{type(e).__name__}: {e}"
+                continue
+            s.out[b, :len(w.tokens)] = torch.tensor(w.tokens)
+            s.n_acc[b] = w.accepted
+            s.paths[b] = w.slots
 
     def _commit(self, s: "StepRecord") -> list[Request]:
         """Append emitted tokens, apply stops, roll caches back to each row's length; end
@@ -424,6 +500,10 @@ class Engine:
                 committed.append(self._committed_length(r))
                 if reason:
                     finished.append((r, reason))
+            if s.paths:  # a tree step: each row's accepted path into place first
+                kept = sorted(s.paths)
+                self.cache.keep_slots([s.rows[b] for b in kept], [s.n0[b] - 1 for b in kept],
+                                      [s.paths[b] for b in kept])
             self.cache.truncate(s.rows, committed)
             if self.drafter is not None:
                 self.drafter.rollback(s.rows, committed)
@@ -450,15 +530,23 @@ class Engine:
             if b in s.failed:
                 continue
             n = s.num_l[b]
-            r.stats.record_step(n, s.acc_l[b])
+            tree = s.parents[b] if s.parents is not None and not is_chain(s.parents[b]) else None
+            r.stats.record_step(n, s.acc_l[b], None if tree is None else max(tree_depths(tree), default=0))
             if trace is not None:
                 drafts_l, qd_l, above_l = trace
-                r.stats.trace.append((s.n0[b], drafts_l[b][:n], s.acc_l[b], s.k[b]))
+                if tree is None:
+                    r.stats.trace.append((s.n0[b], drafts_l[b][:n], s.acc_l[b], s.k[b]))
+                    r.stats.trace_trees.append(None)
+                else:
+                    r.stats.trace.append((s.n0[b], _walked_branch(tree, drafts_l[b][:n], s.paths[b]),
+                                          s.acc_l[b], s.k[b]))
+                    r.stats.trace_trees.append((drafts_l[b][:n], list(tree)))
+                r.stats.trace_asked.append(s.asked[b])
                 if self.rule_for(r) not in ("rejection", "typical-lossy"):  # rules that draw with a generator
                     r.stats.draft_q.append(None)
                     r.stats.draft_q_above.append(None)
-                else:  # no q from the drafter: q is one-hot at its draft (prompt lookup)
-                    r.stats.draft_q.append(qd_l[b][:n] if qd_l is not None else [1.0] * n)
+                else:  # no q from the drafter: q is one-hot at its draft (prompt lookup, a tree's nodes)
+                    r.stats.draft_q.append(qd_l[b][:n] if qd_l is not None and tree is None else [1.0] * n)
                     r.stats.draft_q_above.append(above_l[b][:n] if above_l is not None else None)
             s.n_out += len(r.output_ids) - r.stats.generated_tokens
             r.stats.generated_tokens = len(r.output_ids)
@@ -497,6 +585,8 @@ class Engine:
         stands (taking it again would emit its tokens twice)."""
         draft_s, verify_s = s.t_verify - s.t_draft, s.t_accept - s.t_verify
         try:
+            if s.paths:
+                self.policy.observe_tree(s.reqs, s.parents, {b: [sl - 1 for sl in p[1:]] for b, p in s.paths.items()})
             self.policy.observe(s.reqs, s.k, s.acc_l)
             self.policy.observe_costs(s.B, s.K + 1, sum(kb > 0 for kb in s.k), max(s.k), draft_s, verify_s)
         except Exception:  # noqa: BLE001 - a learning failure does not undo a committed step
@@ -568,3 +658,19 @@ class Engine:
                     on_finish(r)
             step += 1
         return requests
+
+
+def _walked_branch(parents: list[int], tokens: list[int], slots: list[int]) -> list[int]:
+    """The branch of a draft tree a verdict ran along, as a linear draft: the accepted
+    path's tokens, then below the node where the walk stopped its first child, that child's
+    first child, and so on (the trace's entry for a tree step: its accepted count and its
+    first rejected draft read as they do for a linear one)."""
+    first: dict[int, int] = {}
+    for i, p in enumerate(parents):
+        first.setdefault(p, i)
+    line = [tokens[sl - 1] for sl in slots[1:]]
+    node = slots[-1] - 1  # -1: the root
+    while node in first:
+        node = first[node]
+        line.append(tokens[node])
+    return line

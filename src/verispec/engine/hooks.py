@@ -14,6 +14,7 @@ import torch
 
 from ..sampling import keyed_gumbel, logits_to_probs
 from ..verify import verify
+from ..verify import tree as draft_tree
 from .request import Request
 
 
@@ -51,6 +52,10 @@ class StepHooks:
     keyed_noise = staticmethod(keyed_gumbel)
     # verification: verify(rule, p, q, drafts, num, generator), dispatching on the rule's name
     verify = staticmethod(verify)
+    # a draft tree's verify pass: (depth [B,T], visible [B,T,T]) from each row's node parents
+    tree_layout = staticmethod(draft_tree.layout)
+    # a draft tree's verdict: walk(parents, tokens, draw) -> TreeWalk (slots kept, tokens emitted)
+    tree_walk = staticmethod(draft_tree.walk)
 
 
 CORRECT = StepHooks()  # holds no state: every engine built without hooks shares it

@@ -50,17 +50,27 @@ class RequestStats:
     # PIT under the q the verifier read; None where no q was reported (one-hot, greedy,
     # coupled). The audit tests that the drafts are samples of that q.
     draft_q_above: list[list[float] | None] = field(default_factory=list)
+    # per step, aligned with trace: a draft tree's nodes as (tokens, parents) (verify/tree.py),
+    # None for a linear draft. A tree step's trace entry holds the branch its verdict ran
+    # along: the accepted path, then the first child's line below where the walk stopped.
+    trace_trees: list[tuple[list[int], list[int]] | None] = field(default_factory=list)
+    # per step, aligned with trace: the drafts the policy asked the drafter for, before any
+    # trim (a drafter's proposal can depend on it: suffix decoding scores by its length)
+    trace_asked: list[int] = field(default_factory=list)
     time_s: float = 0.0  # wall time from admission to finish
 
-    def record_step(self, k: int, accepted: int) -> None:
+    def record_step(self, k: int, accepted: int, levels: int | None = None) -> None:
+        """k drafts verified, `accepted` of them accepted; levels: a draft tree's depth (its
+        positions; k counts its nodes), None for a linear draft (k positions)."""
         self.target_passes += 1
         self.drafted += k
         self.accepted += accepted
         self.k_chosen.append(k)
+        n = k if levels is None else levels
         for lst in (self.drafted_per_position, self.accepted_per_position):
-            if len(lst) < k:
-                lst.extend([0] * (k - len(lst)))
-        for i in range(k):
+            if len(lst) < n:
+                lst.extend([0] * (n - len(lst)))
+        for i in range(n):
             self.drafted_per_position[i] += 1
         for i in range(accepted):
             self.accepted_per_position[i] += 1

@@ -6,7 +6,8 @@ masks derive from lengths. Rollback is therefore a length change, never a copy.
 
 The interface every backend's cache keeps (the engine, drafters, policy and prompt cache
 use nothing else): alloc, free, truncate, lengths [R] (CPU), in_use [R], max_rows,
-max_len, rows_in_use, snapshot(row) -> opaque, restore(row, snapshot).
+max_len, rows_in_use, snapshot(row) -> opaque, restore(row, snapshot); and, on a backend
+whose model verifies draft trees (supports_trees), keep_slots(rows, starts, slots).
 """
 
 from __future__ import annotations
@@ -94,6 +95,21 @@ class KVCache(RowPool):
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
         self.scratch = max_len  # index of the padding slot
+
+    # -- draft trees (verify/tree.py) ----------------------------------------------
+    def keep_slots(self, rows, starts, slots) -> None:
+        """After a tree verify pass: row rows[i]'s accepted path is slots[i] (slot 0 the root,
+        then one slot per accepted node, each written at starts[i] + slot); move those keys and
+        values to starts[i], starts[i] + 1, ..., where a linear sequence keeps them. The caller
+        truncates the row to its committed length afterwards."""
+        for row, st, sl in zip(as_int_list(rows), as_int_list(starts), slots):
+            if all(s == i for i, s in enumerate(sl)):
+                continue  # the path is already in place (a chain, or the first branch)
+            src = torch.tensor([st + s for s in sl])
+            dst = torch.arange(st, st + len(sl))
+            # the right-hand side is gathered before it is written: overlapping moves are safe
+            self.k[:, row, :, dst] = self.k[:, row, :, src]
+            self.v[:, row, :, dst] = self.v[:, row, :, src]
 
     # -- snapshots (engine/prompt_cache.py) --------------------------------------
     def snapshot(self, row: int):

@@ -146,18 +146,40 @@ class LlamaModel:
             fp = self.__dict__["_fingerprint"] = h.hexdigest()
         return fp
 
+    @staticmethod
+    def _tree_positions(start: torch.Tensor, slots: torch.Tensor, tree, S: int):
+        """(RoPE positions [B,T], attention mask [B,1,T,S]) of a draft tree's slots: a slot
+        sits at start + its depth and sees the cache before start and its own ancestors'
+        slots (written at `slots`, which the fault suite may move)."""
+        depth, visible = tree  # [B,T], [B,T,T]
+        B, T = depth.shape
+        pos = start[:, None] + depth  # [B,T]
+        W = max(S, int(slots.max()) + 1)  # every slot has a column, even a padding one past S
+        mask = (torch.arange(W)[None, None, :] < start[:, None, None]).expand(B, T, W).clone()  # the cache
+        col = slots.clamp(min=0)[:, None, :].expand(B, T, T)  # [B,T(query),T(key slot)]
+        mask.scatter_(2, col, visible | mask.gather(2, col))
+        return pos, mask[:, :, :S][:, None]
+
     def new_cache(self, max_rows: int, max_len: int) -> KVCache:
         c = self.config
         return KVCache(c.num_layers, max_rows, max_len, c.num_kv_heads, c.head_dim)
 
+    supports_trees = True  # forward(tree=...) verifies a draft tree in one pass
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, rows, num_new=None, *,
-                last_only: bool = False, num_layers: int | None = None) -> torch.Tensor:
+                last_only: bool = False, num_layers: int | None = None,
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """tokens [B,T] long; rows [B] cache rows; num_new [B] valid tokens per row (default T).
 
         Returns logits [B,T,V], or [B,V] at each row's last valid token with last_only.
         num_layers < L runs the first num_layers layers then the final norm and LM head
         (layer-skip self-drafting); it writes only those layers' cache entries.
+
+        tree = (depth [B,T], visible [B,T,T]) (verify/tree.layout): the T tokens are the
+        slots of a draft tree. Slot t is written to cache position start + t but placed (RoPE)
+        at start + depth[b,t], and attends to the row's cache and to the slots u with
+        visible[b,t,u]; KVCache.keep_slots() then moves the accepted path into place.
         """
         cfg = self.config
         B, T = tokens.shape
@@ -170,12 +192,15 @@ class LlamaModel:
         S = max(int((start + num_new_t).max()), 1)  # keys attended to: up to the longest row
         if S > cache.max_len:  # lengths live on the CPU: no device sync
             raise CacheFullError(f"write to position {S} exceeds cache length {cache.max_len}")
-        pos = self.positions(start, T)  # [B,T]
+        slots = self.positions(start, T)  # [B,T] where each token's keys and values go
+        if tree is None:
+            pos = slots
+            # attention mask [B,1,T,S]: key j visible to query t iff j <= pos[b,t]
+            mask = (torch.arange(S)[None, None, :] <= pos[:, :, None])[:, None]
+        else:
+            pos, mask = self._tree_positions(start, slots, tree, S)
         # padding tokens (t >= num_new[b]) write to the scratch slot, never into a live row
-        pos_w = torch.where(torch.arange(T) < num_new_t[:, None], pos, cache.scratch)  # [B,T]
-        # attention mask [B,1,T,S]: key j visible to query t iff j <= pos[b,t]
-        mask = torch.arange(S)[None, None, :] <= pos[:, :, None]
-        mask = mask[:, None]
+        pos_w = torch.where(torch.arange(T) < num_new_t[:, None], slots, cache.scratch)  # [B,T]
         ang = pos[..., None].float() * self.inv_freq  # [B,T,D/2]
         emb = torch.cat((ang, ang), dim=-1)
         cos, sin = emb.cos()[:, None], emb.sin()[:, None]  # [B,1,T,D]

@@ -434,7 +434,7 @@ class AdaptivePolicy(Policy):
         rate = E.sum(0) / (t_pass + ask)  # [K+1]: every row verifies j drafts
         return bool(rate[1:].max() > B / float(t_pass[0]) * (1.0 + self.config.min_gain))
 
-    def trim(self, requests, found: list[int], conf: list | None = None) -> list[int]:
+    def trim(self, requests, found: list[int], conf: list | None = None, parents: list | None = None) -> list[int]:
         """For a model-free drafter, after proposing and before verifying: how many of the
         drafts found per row to verify. The drafts found are the drafter's own output, not
         the target's verdict, so deciding on them keeps the policy non-anticipating. Every
@@ -442,11 +442,12 @@ class AdaptivePolicy(Policy):
         pass over j + 1 tokens per row (rows without a match cost that pass nothing more).
         The engine calls it only where self.trims (a model-free drafter's cost model); for
         any other drafter it keeps what was found. With conf (the drafter's own estimate
-        per draft found, Drafter.found_conf), _trim_confident() decides instead."""
+        per draft found, Drafter.found_conf), _trim_confident() decides instead, and prices
+        a draft tree (parents) node by node."""
         if not self.trims:
             return list(found)
         if conf is not None and self.confident:
-            return self._trim_confident(requests, found, conf)
+            return self._trim_confident(requests, found, conf, parents)
         states = [self._state(r) for r in requests]
         B, J = len(states), min(max(found, default=0), self.max_k)
         ids = [r.request_id for r in requests]
@@ -483,7 +484,7 @@ class AdaptivePolicy(Policy):
         draft, which the per-position record of a drafter that is rarely asked cannot."""
         self.confident = bool(self.costs.draft_free and drafter is not None and drafter.estimates_acceptance)
 
-    def _trim_confident(self, requests, found: list[int], conf: list) -> list[int]:
+    def _trim_confident(self, requests, found: list[int], conf: list, parents: list | None = None) -> list[int]:
         """trim() for a drafter that estimates each draft's acceptance (suffix decoding's
         counts): draft i of row b is accepted, given the drafts before it were, with the
         calibrated probability of its estimate (the calibration learns from every verdict,
@@ -491,7 +492,13 @@ class AdaptivePolicy(Policy):
         the j that maximises expected tokens per second of a pass over j + 1 tokens per
         row, j = 0 unless that beats plain decoding by min_gain. No probes: a row whose
         drafter is confident drafts, and its verdicts correct the calibration. Only the
-        drafter's estimates and past verdicts enter, so the rule stays non-anticipating."""
+        drafter's estimates and past verdicts enter, so the rule stays non-anticipating.
+
+        A draft tree (parents: node i's parent, -1 the root, best-first) is priced the same
+        way: a node is reached and accepted with its calibrated estimate times its parent's
+        probability, the expected tokens of a kept prefix are 1 plus the sum over its nodes,
+        and a node costs what one more token per row costs the pass (the measured cost of a
+        pass by its token count): width and depth come out of the same choice of j."""
         B = len(found)
         J = min(max(found, default=0), self.max_k)
         states = [self._state(r) for r in requests]
@@ -500,12 +507,17 @@ class AdaptivePolicy(Policy):
         if J == 0:
             return [0] * B
         f = np.minimum(np.asarray(found), J)
-        a = np.zeros((B, J))
+        reach = np.zeros((B, J))  # [B, J] P(node i of row b is reached and accepted)
         for b in range(B):
             c = list(conf[b])[: int(f[b])]
-            if c:
-                a[b, : len(c)] = self.calibrated(np.clip(c, 0.0, 1.0))
-        E = np.concatenate([np.ones((B, 1)), 1.0 + np.cumsum(np.cumprod(a, axis=1), axis=1)], axis=1)  # [B, J+1]
+            if not c:
+                continue
+            a = self.calibrated(np.clip(c, 0.0, 1.0))
+            par = None if parents is None else parents[b]
+            for i, ai in enumerate(a):
+                p = i - 1 if par is None else par[i]
+                reach[b, i] = ai * (1.0 if p < 0 else reach[b, p])
+        E = np.concatenate([np.ones((B, 1)), 1.0 + np.cumsum(reach, axis=1)], axis=1)  # [B, J+1]
         t_pass = self._pass_costs(B)[0][: J + 1]
         rate = E.sum(0) / t_pass
         j = int(np.argmax(rate))
@@ -516,6 +528,19 @@ class AdaptivePolicy(Policy):
             if kb:  # observe() records them against the verdicts
                 self._conf[r.request_id] = [float(x) for x in list(c)[:kb]]
         return kept
+
+    def observe_tree(self, requests, parents, accepted) -> None:
+        """A draft tree's verdict for the calibration: a node was tried when its parent was
+        reached (the root always is) and kept when it lies on the accepted path."""
+        for b, acc in accepted.items():
+            rid = requests[b].request_id
+            conf = self._conf.pop(rid, None)
+            if not conf:
+                continue
+            on = set(acc)
+            par = parents[b][:len(conf)]
+            tried = [i for i, p in enumerate(par) if p < 0 or p in on]
+            self.calibration.record([conf[i] for i in tried], np.array([float(i in on) for i in tried]))
 
     def observe(self, requests, k, accepted) -> None:
         """The step's outcome: k[b] the drafts asked of row b as the engine settled them

@@ -29,10 +29,18 @@ class Policy(ABC):
         """What the policy may know of the engine's drafter before the first step (a
         policy that reads nothing of it ignores it)."""
 
-    def trim(self, requests: list, found: list[int], conf: list | None = None) -> list[int]:
+    def trim(self, requests: list, found: list[int], conf: list | None = None,
+             parents: list | None = None) -> list[int]:
         """How many of the drafts found per row to verify: all of them. conf: the
-        drafter's own per-draft estimates (Drafter.found_conf), where it has them."""
+        drafter's own per-draft estimates (Drafter.found_conf), where it has them; parents:
+        each row's draft tree (Drafter.found_parents), where the drafts branch (a kept
+        prefix of a row's drafts is a tree)."""
         return list(found)
+
+    def observe_tree(self, requests: list, parents: list, accepted: dict) -> None:
+        """Before observe() of a step that verified draft trees: each row's node parents and,
+        per row index, the accepted nodes (indices into its drafts, root first excluded). A
+        policy that learns nothing of trees ignores it."""
 
     def halt(self, requests: list, k: list[int], i: int, active: list[int], conf) -> list[bool]:
         """Which of the rows `active` stop after draft position i: none."""
@@ -86,8 +94,12 @@ class PolicyWrapper(Policy):
     def bind_drafter(self, drafter):
         self.inner.bind_drafter(drafter)
 
-    def trim(self, requests, found, conf=None):
-        return self.inner.trim(requests, found) if conf is None else self.inner.trim(requests, found, conf)
+    def trim(self, requests, found, conf=None, parents=None):
+        kw = {k: v for k, v in (("conf", conf), ("parents", parents)) if v is not None}
+        return self.inner.trim(requests, found, **kw)
+
+    def observe_tree(self, requests, parents, accepted):
+        self.inner.observe_tree(requests, parents, accepted)
 
     def halt(self, requests, k, i, active, conf):
         return self.inner.halt(requests, k, i, active, conf)

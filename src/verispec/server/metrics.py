@@ -43,6 +43,7 @@ class Metrics:
         self.queue_depth = 0
         self.running = 0
         self.rows_in_use = 0
+        self.drafter_cache: dict | None = None  # the drafter's shared cache (suffix decoding), if any
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -80,9 +81,10 @@ class Metrics:
                 for i, n in enumerate(add):
                     total[i] += n
 
-    def gauges(self, queue_depth: int, running: int, rows_in_use: int) -> None:
+    def gauges(self, queue_depth: int, running: int, rows_in_use: int, drafter_cache: dict | None = None) -> None:
         with self.lock:
             self.queue_depth, self.running, self.rows_in_use = queue_depth, running, rows_in_use
+            self.drafter_cache = drafter_cache
 
     # -- reader ------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -155,6 +157,19 @@ class Metrics:
               [({}, self.queue_depth)])
         gauge("verispec_num_requests_running", "Requests holding a row of the running batch.", [({}, self.running)])
         gauge("verispec_cache_rows_in_use", "KV-cache rows held (active rows).", [({}, self.rows_in_use)])
+        dc = self.drafter_cache
+        if dc is not None:  # suffix decoding's global cache: its size against its bound, in trie nodes
+            gauge("verispec_suffix_cache_nodes", "Trie nodes held by the suffix drafter's global cache.",
+                  [({}, dc["nodes"])])
+            gauge("verispec_suffix_cache_max_nodes", "The suffix drafter's global cache bound, in trie nodes.",
+                  [({}, dc["max_nodes"])])
+            gauge("verispec_suffix_cache_sequences", "Finished requests held by the suffix drafter's global cache.",
+                  [({}, dc["sequences"])])
+            gauge("verispec_suffix_cache_scopes", "API-key scopes (one trie each) in the suffix drafter's global cache.",
+                  [({}, dc["scopes"])])
+            counter("verispec_suffix_cache_evictions_total",
+                    "Sequences the suffix drafter's global cache evicted to stay under its bound.",
+                    [({}, dc["evictions"])])
         h = HistogramMetricFamily("verispec_step_duration_seconds", "Wall time of one engine step (all running rows).",
                                   labels=["model_name"])
         h.add_metric([self.model_name], [(repr(le), n) for le, n in zip(STEP_BUCKETS, self.step_buckets)]

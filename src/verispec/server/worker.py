@@ -338,7 +338,8 @@ class EngineWorker:
         with self._lock:
             outstanding = self._outstanding
         self.metrics.gauges(queue_depth=max(0, outstanding - len(eng.running)), running=len(eng.running),
-                            rows_in_use=eng.cache.rows_in_use)
+                            rows_in_use=eng.cache.rows_in_use,
+                            drafter_cache=None if eng.drafter is None else eng.drafter.cache_stats())
 
     def _deliver(self, items: list) -> None:
         by_loop: dict = {}

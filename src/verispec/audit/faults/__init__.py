@@ -324,3 +324,4 @@ from . import null  # noqa: E402,F401 - registers its faults
 from . import filters  # noqa: E402,F401 - registers its faults
 from . import churn  # noqa: E402,F401 - registers its faults
 from . import attribution  # noqa: E402,F401 - registers its faults
+from . import trees  # noqa: E402,F401 - registers its faults

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..cache import CacheFullError, RowPool
+from ..cache import CacheFullError, RowPool, as_int_list
+from ...verify.tree import MAX_BRANCHES as TREE_MAX_BRANCHES
 from .lib import note_first_decode
 
 if TYPE_CHECKING:
@@ -27,6 +28,10 @@ MAX_DECODE_TOKENS = 2048  # tokens per llama_decode call (n_batch); longer feeds
 # how its tokens were split into passes: tests/engine/test_ggml_backend.py). Wider passes are split by llama.cpp
 # itself; on this CPU a pass of 63 tokens is compute-bound, so the split costs little.
 MAX_UBATCH_TOKENS = 63
+# Sequence ids per row for draft trees: a tree's branches beyond the first take spare ids,
+# each holding the row's history (llama_memory_seq_cp) plus its own path, so that a node's
+# query sees its ancestors and no sibling. llama.cpp allows 256 ids in all (LLAMA_MAX_SEQ).
+LLAMA_MAX_SEQ = 256
 
 _STRAY_LENGTH = ("(row, length, positions llama.cpp holds) {}: a length changed outside truncate(), "
                  "alloc(), claim(), free() or restore(); llama.cpp's cells follow a length only through those")
@@ -53,6 +58,7 @@ class GgmlCache(RowPool):
         self.held = torch.zeros(max_rows, dtype=torch.long)  # [R] positions llama.cpp holds per row
         self._ll, self.model = ll, model
         p = ll.llama_context_default_params()
+        self._n_seq_max = max_rows  # _context_params may add spare ids for draft trees
         self._context_params(p, max_rows, max_len)
         self._threads = torch.get_num_threads()
         p.n_threads = p.n_threads_batch = self._threads
@@ -82,13 +88,22 @@ class GgmlCache(RowPool):
         self._batch.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ll.llama_seq_id)))
         self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self._out_key, self._out_view = None, None  # _outputs' view of llama.cpp's logits
+        # a tree feed's tokens may belong to several sequences: their own id buffer
+        self._seqm = np.zeros((n, TREE_MAX_BRANCHES), np.int32)
+        mbase = self._seqm.ctypes.data
+        self._seqm_ptrs = (ctypes.POINTER(ll.llama_seq_id) * n)(
+            *[ctypes.cast(mbase + 4 * TREE_MAX_BRANCHES * i, ctypes.POINTER(ll.llama_seq_id)) for i in range(n)])
+        self._scratch: dict[int, list[int]] = {}  # row -> the spare ids its live tree's branches 1.. hold
+        self._on_branch: dict[int, dict[int, int]] = {}  # row -> slot -> a branch of its live tree holding it
+        self._free_seqs = list(range(max_rows, self._n_seq_max))  # spare ids not held by any tree
 
     def _context_params(self, p, max_rows: int, max_len: int) -> None:
         """llama_context_params for this cache (GgmlOrderedCache changes them)."""
         p.n_ctx = max_rows * max_len  # one unified buffer: rows share its cells
         p.n_batch = min(MAX_DECODE_TOKENS, p.n_ctx)
         p.n_ubatch = min(MAX_UBATCH_TOKENS, p.n_batch)
-        p.n_seq_max = max_rows
+        self._n_seq_max = min(LLAMA_MAX_SEQ, max_rows * TREE_MAX_BRANCHES)  # the rows, then spare ids
+        p.n_seq_max = self._n_seq_max
         p.kv_unified = True  # one graph for a ragged batch (split streams need equal rows)
         p.no_perf = True
 
@@ -102,7 +117,7 @@ class GgmlCache(RowPool):
 
     # -- decoding (the model's forward) ------------------------------------------
     def feed(self, rows: list[int], stop: np.ndarray, tok: np.ndarray, pos: np.ndarray, seq: np.ndarray,
-             want: np.ndarray, out: torch.Tensor, at: np.ndarray | None = None) -> None:
+             want: np.ndarray, out: torch.Tensor, at: np.ndarray | None = None, branches=None) -> None:
         """Decode a flat feed and append it to its rows.
 
         rows [B] the rows fed (each once; a row may feed nothing) and stop [B] each one's
@@ -110,7 +125,12 @@ class GgmlCache(RowPool):
         row (sequence id) and whether its logits are wanted, row after row, each row's
         positions running on from its length. The wanted tokens' logits, in feed order, are
         written to out [M, V]: to its rows `at` [n_wanted], or to rows 0, 1, ... where at is
-        None. On any failure every fed row is rolled back to its length before the feed."""
+        None. On any failure every fed row is rolled back to its length before the feed.
+
+        branches (a draft tree feed): per token, the branches of its row it belongs to, as
+        (n_branches [N], branch indices [N, TREE_MAX_BRANCHES]), and per row, slot -> one branch
+        holding it (for keep_slots); branch 0 is the row's own sequence, the others take spare
+        ids that hold the row's history first."""
         lengths, held = self.lengths.numpy(), self.held.numpy()  # [R] views
         if len(rows) and int(stop.max()) > self.max_len:
             raise CacheFullError(f"write to position {int(stop.max())} exceeds cache length {self.max_len}")
@@ -121,9 +141,13 @@ class GgmlCache(RowPool):
         V = out.shape[-1]
         at_t = None if at is None else torch.from_numpy(at)
         done = placed = 0  # logit rows written; feed tokens in llama.cpp's memory
+        multi = None
         try:
+            if branches is not None:
+                multi = self._branch_ids(rows, seq, *branches)
             for lo, hi in self._spans(len(tok)):
-                n_out = self._decode(tok[lo:hi], pos[lo:hi], seq[lo:hi], want[lo:hi])
+                kw = {} if multi is None else {"multi": (multi[0][lo:hi], multi[1][lo:hi])}
+                n_out = self._decode(tok[lo:hi], pos[lo:hi], seq[lo:hi], want[lo:hi], **kw)
                 placed = hi
                 if n_out:
                     got = self._outputs(n_out, V)  # [n_out,V] a view of llama.cpp's logits
@@ -146,10 +170,62 @@ class GgmlCache(RowPool):
             self._ll.llama_set_n_threads(self.ctx, n, n)
             self._threads = n
 
-    def _decode(self, tok, pos, seq, want, pad_seq: int | None = None) -> int:
+    def _branch_ids(self, rows, seq, n_branch: np.ndarray, branch: np.ndarray, on_branch: dict):
+        """Sequence ids for a tree feed: branch 0 of a row is its own id, branch j > 0 a spare
+        id that first receives the row's history (so its queries see the cache, and llama.cpp's
+        check that coupled sequences agree holds). -> (ids per token [N], ids [N, W])."""
+        need: dict[int, int] = {}
+        for r, nb in zip(seq.tolist(), n_branch.tolist()):
+            need[r] = max(need.get(r, 1), nb)
+        self._drop_scratch(list(need))
+        if sum(n - 1 for n in need.values()) > len(self._free_seqs):
+            raise CacheFullError(f"a tree pass needs {sum(n - 1 for n in need.values())} spare sequence ids; "
+                                 f"this cache has {len(self._free_seqs)} (fewer rows or branches)")
+        ids_of = {}
+        for r, n in need.items():
+            spare = [self._free_seqs.pop() for _ in range(n - 1)]
+            self._scratch[r] = spare
+            for sid in spare:
+                self._ll.llama_memory_seq_cp(self.mem, r, sid, -1, -1)
+            ids_of[r] = np.asarray([r, *spare], np.int32)
+            self._on_branch[r] = on_branch.get(r, {})
+        ids = np.zeros((len(seq), TREE_MAX_BRANCHES), np.int32)
+        for i, (r, nb) in enumerate(zip(seq.tolist(), n_branch.tolist())):
+            ids[i, :nb] = ids_of[r][branch[i, :nb]]
+        return n_branch.astype(np.int32), ids
+
+    def _drop_scratch(self, rows) -> None:
+        """Remove the spare sequences of these rows' trees from llama.cpp and free their ids."""
+        for r in rows:
+            self._on_branch.pop(int(r), None)
+            for sid in self._scratch.pop(int(r), ()):
+                self._ll.llama_memory_seq_rm(self.mem, sid, -1, -1)
+                self._free_seqs.append(sid)
+
+    def keep_slots(self, rows, starts, slots) -> None:
+        """After a tree pass (models/cache.KVCache.keep_slots): row r's accepted path is slots
+        (slot 0 the root); positions in llama.cpp are depths already, so keeping the path is a
+        change of sequence: where the path ends off the row's own branch, the row's sequence
+        drops its tree positions and takes the path's positions from a branch that holds it.
+        The spare sequences are removed either way; truncate() then trims to the committed
+        length."""
+        for r, st, sl in zip(as_int_list(rows), as_int_list(starts), slots):
+            spare = self._scratch.get(r)
+            if spare is None:
+                continue
+            on = self._on_branch.get(r, {}).get(sl[-1], 0)  # a branch that holds the path's last slot
+            if on:
+                ll = self._ll
+                if not ll.llama_memory_seq_rm(self.mem, r, st + 1, -1):
+                    raise RuntimeError(f"llama.cpp could not remove row {r}'s tree positions")
+                ll.llama_memory_seq_cp(self.mem, spare[on - 1], r, st + 1, st + len(sl))
+            self._drop_scratch([r])
+
+    def _decode(self, tok, pos, seq, want, pad_seq: int | None = None, multi=None) -> int:
         """One llama_decode of a piece of the feed (N tokens, at most n_batch with the padding);
         -> number of logit rows it produced. pad_seq: a sequence id given one more, throwaway
-        token (position 0, no logits) in the same pass (GgmlOrderedCache pads one-token passes)."""
+        token (position 0, no logits) in the same pass (GgmlOrderedCache pads one-token passes).
+        multi: (n_seq_id [N], seq ids [N, W]) for tokens in several sequences (a tree feed)."""
         N = len(tok)
         note_first_decode()
         self._tok[:N], self._pos[:N], self._seq[:N] = tok, pos, seq
@@ -159,7 +235,15 @@ class GgmlCache(RowPool):
             self._tok[N] = self._pos[N] = self._logits[N] = 0
             self._seq[N] = pad_seq
         self._batch.n_tokens = N + (pad_seq is not None)
-        rc = self._ll.llama_decode(self.ctx, self._batch)
+        if multi is not None:
+            self._nseq[:N], self._seqm[:N] = multi
+            self._batch.seq_id = ctypes.cast(self._seqm_ptrs, ctypes.POINTER(ctypes.POINTER(self._ll.llama_seq_id)))
+        try:
+            rc = self._ll.llama_decode(self.ctx, self._batch)
+        finally:
+            if multi is not None:
+                self._nseq[:N] = 1
+                self._batch.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(self._ll.llama_seq_id)))
         if rc != 0:
             # llama.cpp can keep a prefix of a failed pass (the micro-batches before the failing
             # one): held bounds it from above, and feed's rollback removes it
@@ -185,6 +269,8 @@ class GgmlCache(RowPool):
         """The one rollback: llama_memory_seq_rm of every position from the new length on, for
         the rows that hold any."""
         held = self.held.numpy()
+        if self._scratch:  # a tree pass that did not reach keep_slots (undone, failed)
+            self._drop_scratch([r for r in rows if int(r) in self._scratch])
         for r, n in zip(rows, new_lengths):
             r, n = int(r), int(n)
             if held[r] <= n:

@@ -174,15 +174,28 @@ class GgmlModel:
             return GgmlOrderedCache(self, max_rows, max_len)
         return GgmlCache(self, max_rows, max_len)
 
+    @property
+    def supports_trees(self) -> bool:
+        """Whether forward(tree=...) verifies a draft tree in one pass: by giving a token the
+        sequence ids of every branch under it. The batch-invariant cache keeps one sequence per
+        row in a fixed cell order (ordered.py) and has no such pass."""
+        return not self.batch_invariant
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: GgmlCache, rows, num_new=None, *,
-                last_only: bool = False, num_layers: int | None = None) -> torch.Tensor:
+                last_only: bool = False, num_layers: int | None = None,
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """tokens [B,T] long; rows [B] cache rows; num_new [B] valid tokens per row (default T).
 
         Each row's tokens take positions lengths[row] + arange(num_new[b]) in its own
         sequence; padding (t >= num_new[b]) is not fed at all. One llama_decode per
         kvcache.MAX_DECODE_TOKENS tokens (a verify pass is one). Returns logits [B,T,V] (zeros at
         padding), or [B,V] at each row's last valid token with last_only.
+
+        tree = (depth [B,T], visible [B,T,T]) (verify/tree.layout): the tokens are a draft
+        tree's slots, each at position start + depth and in the sequences of every branch
+        (root-to-leaf path) through it, so that it attends to its ancestors and to no sibling;
+        GgmlCache.keep_slots() then keeps the accepted path.
         """
         if num_layers is not None and num_layers != self.config.num_layers:
             raise UnsupportedFeatureError(LAYER_SKIP_UNSUPPORTED)
@@ -208,8 +221,16 @@ class GgmlModel:
             b_idx = np.repeat(np.arange(B), n_l)  # [N]
             t_idx = np.concatenate([np.arange(n) for n in n_l]) if B else np.zeros(0, np.int64)  # [N]
             tok = tokens.numpy()[b_idx, t_idx]
-        pos = start[b_idx] + t_idx
         seq = np.asarray(rows_l, dtype=np.int64)[b_idx]
+        branches = None
+        if tree is None:
+            pos = start[b_idx] + t_idx
+        else:
+            if not self.supports_trees:
+                raise UnsupportedFeatureError("draft trees need several sequences per row, which the ggml "
+                                              "batch-invariant mode does not have; draft linearly")
+            pos = start[b_idx] + tree[0].numpy()[b_idx, t_idx]
+            branches = _branches(tree[1].numpy(), rows_l, n_l)
         want = (t_idx == (stop - start - 1)[b_idx]) if last_only else np.ones(len(b_idx), bool)
         # without padding (every row feeds T tokens, or last_only with each row feeding one
         # or more) llama.cpp's outputs fill `out` in order: copied as blocks into an empty
@@ -221,5 +242,34 @@ class GgmlModel:
         if not dense:
             sel = np.flatnonzero(want)
             at = b_idx[sel] if last_only else b_idx[sel] * T + t_idx[sel]
-        cache.feed(rows_l, stop, tok, pos, seq, want, out.view(-1, V), at)
+        cache.feed(rows_l, stop, tok, pos, seq, want, out.view(-1, V), at, branches=branches)
         return out
+
+
+def _branches(visible: np.ndarray, rows: list[int], n_l: list[int]):
+    """A tree feed's branches: per token (row after row), how many root-to-leaf paths of its
+    row pass through it and which ([N], [N, TREE_MAX_BRANCHES]); per row, slot -> the first
+    branch through it. visible [B,T,T] (verify/tree.layout): slot u is t or an ancestor of t."""
+    from .kvcache import TREE_MAX_BRANCHES
+
+    N = sum(n_l)
+    n_branch = np.ones(N, np.int32)
+    branch = np.zeros((N, TREE_MAX_BRANCHES), np.int32)
+    on_branch, o = {}, 0
+    for b, (r, n) in enumerate(zip(rows, n_l)):
+        vis = visible[b, :n, :n]
+        below = vis.sum(0) - 1  # [n] slots that have this one as a strict ancestor
+        leaves = np.flatnonzero(below == 0)
+        if len(leaves) > TREE_MAX_BRANCHES:
+            raise ValueError(f"a draft tree of {len(leaves)} branches; the ggml backend verifies at most "
+                             f"{TREE_MAX_BRANCHES}")
+        member = vis[leaves]  # [leaves, n]: slot t lies on branch j
+        firsts = {}
+        for t in range(n):
+            js = np.flatnonzero(member[:, t])
+            n_branch[o + t] = len(js)
+            branch[o + t, :len(js)] = js
+            firsts[t] = int(js[0])
+        on_branch[r] = firsts
+        o += n
+    return n_branch, branch, on_branch
