@@ -109,13 +109,19 @@ class TreeWalk:
         return len(self.slots) - 1
 
 
+def child_slots(parents: list[int], tokens: list[int]) -> dict[int, dict[int, int]]:
+    """slot -> {token: its child's slot}, children in node order (slot 0: the root)."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (p, t) in enumerate(zip(parents, tokens)):
+        children.setdefault(p + 1, {})[t] = i + 1
+    return children
+
+
 def walk(parents: list[int], tokens: list[int], draw: Callable[[int, int], int]) -> TreeWalk:
     """Walk one row's tree. draw(slot, depth) -> the target's token at that slot, drawn as
     plain decoding draws it at sequence position (root's + depth); it is called once per
     emitted token, root first, so a sampler's random stream advances as plain decoding's."""
-    children: dict[int, dict[int, int]] = {}
-    for i, (p, t) in enumerate(zip(parents, tokens)):
-        children.setdefault(p + 1, {})[t] = i + 1
+    children = child_slots(parents, tokens)
     slot, slots, out = 0, [0], []
     while True:
         tok = draw(slot, len(out))

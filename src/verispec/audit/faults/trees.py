@@ -8,7 +8,7 @@ of a tree drafter (`--draft suffix:width=N`) runs its equivalence check on such 
 from __future__ import annotations
 
 from ...engine.hooks import StepHooks
-from ...verify.tree import TreeWalk, layout
+from ...verify.tree import TreeWalk, child_slots, layout
 from .catalogue import register
 
 
@@ -58,9 +58,7 @@ class _CompareWrongNode(StepHooks):
 
     @staticmethod
     def tree_walk(parents, tokens, draw):
-        children: dict[int, dict[int, int]] = {}
-        for i, (p, t) in enumerate(zip(parents, tokens)):
-            children.setdefault(p + 1, {})[t] = i + 1
+        children = child_slots(parents, tokens)
         slot, slots, out = 0, [0], []
         while True:
             tok = draw(slot, len(out))
