@@ -296,3 +296,28 @@ def test_tree_faults_break_greedy_equality(fault):
     drafter = TreeOracle(ref, rate=0.8, width=4, seed=5)
     reqs = _run(target, drafter, 6, 8, SamplingParams(temperature=0.0), hooks=f.step)
     assert any(r.output_ids != ref[tuple(r.prompt_ids)] for r in reqs)
+
+
+@pytest.mark.parametrize("fault", ["tree-sibling-leak", "tree-position-off-by-one", "tree-compare-wrong-node"])
+def test_tree_fault_stays_in_its_engine(fault):
+    """A faulty engine and a correct one on the same target, stepped in turn with the same
+    trees: the correct one's greedy output is plain decoding's, the faulty one's is not."""
+    from verispec.audit.faults import build
+
+    target, _ = _target()
+    ref = _reference(SamplingParams(temperature=0.0))
+    engines, reqs = {}, {}
+    for f in (None, fault):
+        drafter = TreeOracle(ref, rate=0.8, width=4, seed=5)
+        engines[f] = Engine(target, drafter, FixedK(6), EngineConfig(max_batch=8, max_len=80),
+                            hooks=None if f is None else build(f).step)
+        reqs[f] = [Request(list(p), GenerationParams(max_new_tokens=min(24, len(out))))
+                   for p, out in ref.items()]
+        for r in reqs[f]:
+            engines[f].add(r)
+    while any(e.has_work for e in engines.values()):
+        for e in engines.values():
+            if e.has_work:
+                e.step()
+    assert all(r.output_ids == ref[tuple(r.prompt_ids)] for r in reqs[None])
+    assert any(r.output_ids != ref[tuple(r.prompt_ids)] for r in reqs[fault])
