@@ -72,3 +72,23 @@ def test_malformed_suite_file_exits_2(tmp_path, capsys):
     bad.write_text("{not json\n")
     assert main(["audit", "--suite", str(bad), "--out", str(tmp_path)]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def test_model_free_drafter_specs_build_without_loading_a_model():
+    """Every model-free drafter the CLI names builds for the audit (a fresh drafter per
+    engine: suffix decoding's global cache is its engine's alone); a bad option fails at
+    once with the option's name, before any model work."""
+    from verispec.audit.runner import drafter_factory_from_spec
+    from verispec.drafters.lookup import PromptLookupDrafter
+    from verispec.drafters.suffix import SuffixDrafter
+
+    for spec, cls in [("lookup", PromptLookupDrafter), ("lookup:2", PromptLookupDrafter),
+                      ("suffix", SuffixDrafter), ("suffix:width=4,cache=0", SuffixDrafter)]:
+        factory, files = drafter_factory_from_spec(spec, None, None)
+        a, b = factory(4, 64), factory(4, 64)
+        assert isinstance(a, cls) and a is not b and files is None
+    assert drafter_factory_from_spec("suffix:width=4", None, None)[0](1, 8).tree_width == 4
+    with pytest.raises(ValueError, match="width"):
+        drafter_factory_from_spec("suffix:width=99", None, None)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        drafter_factory_from_spec("none", None, None)
