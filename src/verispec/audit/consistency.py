@@ -83,7 +83,8 @@ def check_request(oracle: Oracle, req, k: int, logits_cache: dict,
             # a tree drafter: its whole proposal is a function of the prefix, asked for `ask`
             # nodes and kept to the verified prefix by the policy
             want = replay.tree(0, full[:n0], min(ask, k))
-            got = tree if tree is not None else (drafted[:k_eff], list(range(-1, k_eff - 1)))
+            chain = drafted[:k_eff]  # a step whose kept drafts do not branch is a chain
+            got = tree if tree is not None else (chain, list(range(-1, len(chain) - 1)))
             exp = (want.tokens[:k_eff], want.parents[:k_eff])
             if (list(got[0]), list(got[1])) != (list(exp[0]), list(exp[1])):
                 bad.append({"step": step, "position": n0, "drafted": list(got[0]), "parents": list(got[1]),
