@@ -81,7 +81,8 @@ TREE_DRAFTER = "suffix:cache=0,width=4"
 def test_fault_fails_the_audit(models, tmp_path, fault):
     if fault in ("tree-sibling-leak", "tree-position-off-by-one"):
         pytest.skip("the tiny target's near-uniform attention hides a misplaced or extra key from the "
-                    "audit's checks; tests/engine/test_tree_verify.py catches both on a sharp-attention target")
+                    "audit's checks; tests/engine/test_tree_verify.py catches both on a sharp-attention target, "
+                    "tests/slow/test_audit_real.py in the SmolLM2 audit")
     result = tiny_audit(models, fault=fault, drafter=TREE_DRAFTER if fault.startswith("tree-") else "draft-model")
     _assert_caught(result, tmp_path, fault)
 

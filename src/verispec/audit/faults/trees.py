@@ -73,6 +73,6 @@ class _CompareWrongNode(StepHooks):
 register("tree-sibling-leak", "inside a draft tree a node attends to its earlier siblings' keys and values",
          "equivalence", lambda c: {"step": _SiblingLeak()})
 register("tree-position-off-by-one", "inside a draft tree a node after its parent's first child sits one "
-         "position further, and its subtree with it", "seeded", lambda c: {"step": _PositionOffByOne()})
+         "position further, and its subtree with it", "equivalence", lambda c: {"step": _PositionOffByOne()})
 register("tree-compare-wrong-node", "a draft tree's walk emits the drawn token but goes on from the first "
          "child, whichever child the token matched", "equivalence", lambda c: {"step": _CompareWrongNode()})
