@@ -91,9 +91,9 @@ def main() -> int:
     from tqdm import tqdm
     jobs = [(d, None, s) for d in args.drafts.split(",")
             for s in range(args.first_seed, args.first_seed + args.seeds)]
-    jobs += [(d, f, 0) for d in args.drafts.split(",") for f in faults
-             if not f.startswith("tree-") or _proposes_trees(d)]
-    skipped = [(d, f) for d in args.drafts.split(",") for f in faults if f.startswith("tree-") and not _proposes_trees(d)]
+    pairs = [(d, f) for d in args.drafts.split(",") for f in faults]
+    skipped = {(d, f) for d, f in pairs if f.startswith("tree-") and not _proposes_trees(d)}
+    jobs += [(d, f, 0) for d, f in pairs if (d, f) not in skipped]
     if skipped:
         print(f"not run: {len(skipped)} tree fault(s) with a drafter that proposes chains "
               "(the fault's code never runs; use --drafts suffix:width=4)")

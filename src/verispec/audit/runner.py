@@ -55,10 +55,10 @@ class AuditResult:
 def drafter_factory_from_spec(spec: str, target_model, tokenizer) -> tuple[DrafterFactory, Any]:
     """A factory for the drafter named by a CLI spec, and the draft model's files (or None).
     A draft model is loaded once; each engine gets a fresh drafter (its own cache) on it."""
-    from ..drafters import make_drafter
+    from ..drafters import loads_no_model, make_drafter
     if spec == "none":
         raise ValueError("the audit needs a drafter: --draft lookup | suffix[:options] | layerskip:N | a draft model")
-    if spec in ("lookup", "suffix") or spec.startswith(("lookup:", "suffix:", "layerskip:")):
+    if loads_no_model(spec):
         make_drafter(spec, target_model, tokenizer, max_rows=1, max_len=2)  # validate the spec now
         return (lambda rows, max_len: make_drafter(spec, target_model, tokenizer, max_rows=rows,
                                                    max_len=max_len)), None

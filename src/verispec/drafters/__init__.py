@@ -35,7 +35,13 @@ from __future__ import annotations
 
 from .base import Drafter, DrafterHooks, apply_halt, draft_from_logits
 
-__all__ = ["Drafter", "DrafterHooks", "apply_halt", "draft_from_logits", "make_drafter"]
+__all__ = ["Drafter", "DrafterHooks", "apply_halt", "draft_from_logits", "make_drafter", "loads_no_model"]
+
+def loads_no_model(spec: str) -> bool:
+    """Whether make_drafter builds this spec without loading a draft model: 'lookup[:N]',
+    'suffix[:options]', 'layerskip:N' (the target's own layers)."""
+    kind, colon, _ = spec.partition(":")
+    return kind in ("lookup", "suffix") or (kind == "layerskip" and bool(colon))
 
 
 def make_drafter(spec: str | None, target, target_tokenizer, *, max_rows: int, max_len: int,
