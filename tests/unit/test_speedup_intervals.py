@@ -41,6 +41,9 @@ def test_prediction_from_tokens_per_pass_and_costs():
     # 2.5 tokens for a pass of 12 ms and 3 ms of drafting, against 10 ms per plain token
     assert predicted_speedup(2.5, 0.010, 0.012, 0.003) == pytest.approx(2.5 * 10 / 15)
     assert predicted_speedup(1.8) == 1.8  # no costs: tokens per pass is the upper bound
+    # a pass timed cheaper than a decode is noise in the timings: still tokens per pass at most
+    assert predicted_speedup(1.0046, 0.0100, 0.0097) == pytest.approx(1.0046)
+    assert predicted_speedup(1.5, 0.0100, 0.0050, 0.0010) == pytest.approx(1.5)
     assert predicted_speedup(None, 0.01, 0.01) is None
 
 

@@ -209,14 +209,15 @@ def speedup_interval(plain_s_per_token, spec_s_per_token, alpha: float = 0.05) -
 def predicted_speedup(tokens_per_pass: float | None, decode_s: float | None = None,
                       pass_s: float | None = None, draft_s: float = 0.0) -> float | None:
     """What acceptance predicts: tokens_per_pass tokens for one verify pass (pass_s) and its
-    drafting (draft_s), against one token per plain decode (decode_s). Without costs, the
-    upper bound tokens_per_pass: a verify pass costs at least one decode and drafting is not
-    free, so a speedup above tokens per pass is not speculation's doing."""
+    drafting (draft_s), against one token per plain decode (decode_s). Never above
+    tokens_per_pass: a verify pass does at least a decode's work, so a measured pass cheaper
+    than a decode is the timing's noise, and a speedup above tokens per pass is not
+    speculation's doing. Without costs, that bound is the prediction."""
     if tokens_per_pass is None:
         return None
     if decode_s is None or pass_s is None or pass_s + draft_s <= 0:
         return float(tokens_per_pass)
-    return float(tokens_per_pass * decode_s / (pass_s + draft_s))
+    return float(tokens_per_pass * decode_s / max(pass_s + draft_s, decode_s))
 
 
 def judge_speedup(sp: Speedup | None, predicted: float | None, tolerance: float = 0.05) -> str:
