@@ -39,7 +39,7 @@ import torch
 log = logging.getLogger("verispec")
 
 # bump when measure_costs() or the file layout changes: old entries then read as misses
-COST_FORMAT = 1
+COST_FORMAT = 2
 MEASURE_CONTEXT = 160  # measure_costs(): tokens of cached context per row
 MEASURE_REPEATS = 3  # measure_costs(): timings per shape (the median is kept)
 
@@ -184,7 +184,11 @@ def measure_costs(target, drafter, max_batch: int, max_k: int, context: int = ME
 
     shapes = [(b, t) for b in bps for t in tps]
     flat = timed_grid([target_pass(b, t) for b, t in shapes])
-    grid = tuple(tuple(flat[i * len(tps):(i + 1) * len(tps)]) for i in range(len(bps)))
+    # a non-decreasing fit over tokens per row: a wider pass never costs less, so a wider
+    # shape timed cheaper is the machine's noise, and read raw it would price drafts below
+    # their cost (the policy fits what it measures later the same way)
+    grid = tuple(tuple(float(v) for v in _isotonic(flat[i * len(tps):(i + 1) * len(tps)], np.ones(len(tps))))
+                 for i in range(len(bps)))
     d_pts = sorted({1, 2, 4, 8, 16, 32, max_batch} & set(range(1, max_batch + 1)))
     if drafter.draft_model is not None:  # a model of its own: one-token passes of it
         dm = drafter.draft_model
