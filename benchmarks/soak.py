@@ -24,9 +24,9 @@ It samples the server process's RSS (psutil if installed, else /proc/PID/status)
 file descriptors (/proc/PID/fd), threads, and the /metrics gauges (rows in use, running,
 waiting) at the start, every --sample-every seconds and at the end; prints a table and
 a JSON summary (also to --json PATH), and exits 1 if anything leaked (rows, fds,
-threads, RSS growth after the first quarter beyond --rss-growth-mb), any greedy or
-seeded answer mismatched, any request got an unexpected answer, or the server did not
-drain and exit cleanly.
+threads, RSS growth after the first quarter beyond --rss-growth-mb), a garbage-collector
+pause exceeded --max-gc-pause-ms (when given), any greedy or seeded answer mismatched,
+any request got an unexpected answer, or the server did not drain and exit cleanly.
 """
 
 from __future__ import annotations
@@ -159,6 +159,10 @@ def gauges(text: str) -> dict:
         name = key.partition("{")[0]
         if name in want:
             out[want[name]] = out.get(want[name], 0) + int(float(value))
+        if name == "verispec_gc_pause_max_seconds":
+            out["gc_max_pause_s"] = float(value)
+        if name == "verispec_gc_pause_seconds_count" and 'generation="2"' in key:
+            out["gc_full"] = int(float(value))
         if name == "verispec_request_finish_total":
             reason = key.partition('reason="')[2].partition('"')[0]
             out[f"finish_{reason}"] = out.get(f"finish_{reason}", 0) + int(float(value))
@@ -455,6 +459,9 @@ def verdict(res: dict, args, shutdown: dict | None) -> tuple[dict, list[str]]:
     if over:
         problems.append(f"the suffix cache held {max(x['suffix_nodes'] for x in over)} trie nodes, over its bound "
                         f"of {over[0]['suffix_max_nodes']}, in {len(over)} samples")
+    gc_max = max((x.get("gc_max_pause_s") or 0.0) for x in s)
+    if args.max_gc_pause_ms is not None and gc_max * 1e3 > args.max_gc_pause_ms:
+        problems.append(f"a garbage-collector pause took {gc_max * 1e3:.0f} ms (bound {args.max_gc_pause_ms} ms)")
     if t.mismatches:
         problems.append(f"{len(t.mismatches)} checked answers differ from their reference")
     if t.unexpected:
@@ -478,6 +485,7 @@ def verdict(res: dict, args, shutdown: dict | None) -> tuple[dict, list[str]]:
             "max_nodes": last["suffix_max_nodes"], "peak_nodes": max(x.get("suffix_nodes") or 0 for x in s),
             "end_nodes": last.get("suffix_nodes"), "end_sequences": last.get("suffix_sequences"),
             "evictions": last.get("suffix_evictions")},
+        "gc": {"max_pause_ms": gc_max * 1e3, "full_collections": last.get("gc_full")},
         "cancelled_in_engine": (last.get("finish_cancelled") or 0) - (first.get("finish_cancelled") or 0),
         "shutdown": shutdown, "mismatch_examples": t.mismatches[:5], "unexpected_examples": t.unexpected[:5],
         "samples": s,
@@ -502,6 +510,8 @@ def print_table(sm: dict) -> None:
         ("suffix cache nodes peak/bound", "-" if sm["suffix_cache"] is None else
          f"{sm['suffix_cache']['peak_nodes']} / {sm['suffix_cache']['max_nodes']} "
          f"({sm['suffix_cache']['evictions']} evictions, {sm['suffix_cache']['end_sequences']} sequences held)"),
+        ("garbage collector", f"longest pause {sm['gc']['max_pause_ms']:.1f} ms, "
+         f"{sm['gc']['full_collections']} full collections"),
         ("open fds start/end", f"{sm['fds']['start']} / {sm['fds']['end']}"),
         ("threads start/end", f"{sm['threads']['start']} / {sm['threads']['end']}"),
         ("SIGTERM", "-" if sm["shutdown"] is None else
@@ -533,6 +543,8 @@ def main() -> int:
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples")
     ap.add_argument("--rss-growth-mb", type=float, default=64.0, help="allowed RSS growth after the first quarter")
+    ap.add_argument("--max-gc-pause-ms", type=float, default=None,
+                    help="fail if the server's longest garbage-collector pause (its /metrics) exceeds this")
     ap.add_argument("--fd-slack", type=int, default=8, help="allowed growth of open file descriptors")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the JSON summary here")

@@ -178,13 +178,17 @@ def cmd_serve(args) -> int:
 def _serve(args, api_key, key_source, fault=None) -> int:
     from ..server.app import make_server
 
+    from ..server.gcpause import freeze_startup_heap
+
     state = build_state(args, api_key, fault)
     server = make_server(state, host=args.host, port=args.port, log_level=args.log_level)
+    frozen = freeze_startup_heap()  # what start-up built lives as long as the process
     n = len(state.config.api_keys)
     auth = (f"{n} API key{'s' * (n > 1)} from {key_source}" + (", /metrics public" if args.metrics_public else "")
             if key_source else "no API key")
     print(f"verispec serve: {state.config.model_name} (draft {args.draft or 'none'}, k={state.k}, "
-          f"policy {state.policy}, rule {args.verify}; {auth}) on http://{args.host}:{args.port}",
+          f"policy {state.policy}, rule {args.verify}; {auth}; {frozen} start-up objects frozen out of "
+          f"garbage collection) on http://{args.host}:{args.port}",
           file=sys.stderr)
     server.run()
     return 0

@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from .gcpause import GC_BUCKETS, gc_pauses
+
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
@@ -44,6 +46,7 @@ class Metrics:
         self.running = 0
         self.rows_in_use = 0
         self.drafter_cache: dict | None = None  # the drafter's shared cache (suffix decoding), if any
+        self.gc = gc_pauses()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -176,6 +179,18 @@ class Metrics:
                      + [("+Inf", self.steps)], self.step_sum)
         out.append(h)
         counter("verispec_step_rows_total", "Running rows summed over engine steps.", [({}, self.step_rows_sum)])
+        g = self.gc.snapshot()
+        h = HistogramMetricFamily("verispec_gc_pause_seconds",
+                                  "Pauses of the Python garbage collector, which stop every thread, by generation.",
+                                  labels=["model_name", "generation"])
+        for gen in sorted(g["count"]):
+            h.add_metric([self.model_name, str(gen)],
+                         [(repr(le), n) for le, n in zip(GC_BUCKETS, g["buckets"][gen])] + [("+Inf", g["count"][gen])],
+                         g["sum"][gen])
+        out.append(h)
+        gauge("verispec_gc_pause_max_seconds", "The longest garbage-collector pause since start.", [({}, g["max"])])
+        gauge("verispec_gc_frozen_objects", "Objects frozen out of garbage collection at start-up.",
+              [({}, g["frozen"])])
         return out
 
 
