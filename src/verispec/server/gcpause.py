@@ -43,6 +43,16 @@ class GCPauses:
             self._pending.append((info.get("generation", 2), time.perf_counter() - self._started))
             self._started = 0.0
 
+    def clear(self) -> None:
+        """Start counting afresh (the server calls this once, before it serves, so that its
+        figures are the serving's and not the loading's)."""
+        with self._lock:
+            self._pending.clear()
+            self._buckets = {g: [0] * len(GC_BUCKETS) for g in range(3)}
+            self._count = dict.fromkeys(range(3), 0)
+            self._sum = dict.fromkeys(range(3), 0.0)
+            self._max = 0.0
+
     def snapshot(self) -> dict:
         """{"buckets": {gen: cumulative counts per GC_BUCKETS}, "count": {gen: n},
         "sum": {gen: seconds}, "max": the longest pause in seconds, "frozen": objects in the
@@ -81,7 +91,9 @@ def gc_pauses() -> GCPauses:
 def freeze_startup_heap() -> int:
     """Collect what start-up left as garbage (freezing it would keep it forever), then
     move every object alive now to the permanent generation. Objects made later are
-    tracked and collected as before. Returns the number of frozen objects."""
+    tracked and collected as before. The pauses recorded so far were loading's, and are
+    dropped. Returns the number of frozen objects."""
     gc.collect()
     gc.freeze()
+    gc_pauses().clear()
     return gc.get_freeze_count()

@@ -181,14 +181,16 @@ class Metrics:
         counter("verispec_step_rows_total", "Running rows summed over engine steps.", [({}, self.step_rows_sum)])
         g = self.gc.snapshot()
         h = HistogramMetricFamily("verispec_gc_pause_seconds",
-                                  "Pauses of the Python garbage collector, which stop every thread, by generation.",
+                                  "Pauses of the Python garbage collector, which stop every thread, by generation, "
+                                  "since the server began serving.",
                                   labels=["model_name", "generation"])
         for gen in sorted(g["count"]):
             h.add_metric([self.model_name, str(gen)],
                          [(repr(le), n) for le, n in zip(GC_BUCKETS, g["buckets"][gen])] + [("+Inf", g["count"][gen])],
                          g["sum"][gen])
         out.append(h)
-        gauge("verispec_gc_pause_max_seconds", "The longest garbage-collector pause since start.", [({}, g["max"])])
+        gauge("verispec_gc_pause_max_seconds", "The longest garbage-collector pause since serving began.",
+              [({}, g["max"])])
         gauge("verispec_gc_frozen_objects", "Objects frozen out of garbage collection at start-up.",
               [({}, g["frozen"])])
         return out
