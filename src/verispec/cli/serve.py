@@ -177,7 +177,6 @@ def cmd_serve(args) -> int:
 
 def _serve(args, api_key, key_source, fault=None) -> int:
     from ..server.app import make_server
-
     from ..server.gcpause import freeze_startup_heap
 
     state = build_state(args, api_key, fault)

@@ -32,10 +32,7 @@ class GCPauses:
         self._started = 0.0
         self._pending: deque[tuple[int, float]] = deque(maxlen=100_000)
         self._lock = threading.Lock()
-        self._buckets = {g: [0] * len(GC_BUCKETS) for g in range(3)}
-        self._count = dict.fromkeys(range(3), 0)
-        self._sum = dict.fromkeys(range(3), 0.0)
-        self._max = 0.0
+        self.clear()
 
     def callback(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -59,11 +56,8 @@ class GCPauses:
         "sum": {gen: seconds}, "max": the longest pause in seconds, "frozen": objects in the
         permanent generation}."""
         with self._lock:
-            while self._pending:
-                try:
-                    g, s = self._pending.popleft()
-                except IndexError:  # another reader took the last one
-                    break
+            while self._pending:  # only readers pop, and they hold the lock
+                g, s = self._pending.popleft()
                 self._count[g] += 1
                 self._sum[g] += s
                 self._max = max(self._max, s)
