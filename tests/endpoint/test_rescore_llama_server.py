@@ -51,3 +51,38 @@ def test_reference_scores_the_speculative_servers_tokens(servers):
     assert f["scorers"]["reference"] > 0 and f["scorers"]["endpoint"] > 0
     assert f["tokens_without_logprobs"] == 0 and f["n"] == f["emitted_tokens"] >= 384
     assert f["passed"], f["reason"]  # llama.cpp's speculative sampling follows the reference's distribution
+
+
+def test_a_forced_draw_leaves_the_listed_logprobs_as_they_are(servers):
+    """score_position forces a draw that ended inside a character onto an ASCII token; that
+    rests on llama-server listing the softmax of its raw logits, which logit_bias does not
+    touch. After a run of robot emoji SmolLM2 draws the emoji's first two bytes (10813, no
+    entry) about 74% of the time: the forced draws list what the free ones do."""
+    import asyncio
+
+    from verispec.audit.endpoint.rescore import FORCE_BIAS, _body, _Native, score_position
+    from verispec.audit.endpoint.sampled import sampler_settings
+    _, plain = servers
+
+    async def go():
+        api = _Native(EndpointConfig(plain), 1)
+        try:
+            ids = [t if isinstance(t, int) else t["id"] for t in (await api.post(
+                "/tokenize", {"content": "Robots: " + "\U0001F916" * 10, "add_special": False}))["tokens"]]
+            free, forced = [], []
+            a = await api.ascii_token()
+            for _ in range(12):
+                free.append(await api.post("/completion", _body(ids, 1, sampler_settings("llama.cpp"))))
+                body = _body(ids, 1, sampler_settings("llama.cpp")) | {"logit_bias": [[a, FORCE_BIAS]]}
+                forced.append(await api.post("/completion", body))
+            return free, forced, await score_position(api, ids, sampler_settings("llama.cpp"))
+        finally:
+            await api.aclose()
+
+    free, forced, scored = asyncio.run(go())
+    lists = [[(t["id"], t["logprob"]) for t in o["completion_probabilities"][0]["top_logprobs"]]
+             for o in free + forced if o.get("completion_probabilities")]
+    assert sum(not o.get("completion_probabilities") for o in free) >= 3  # the case happens
+    assert all(o.get("completion_probabilities") for o in forced)  # and the forced draws list
+    assert all(lst == lists[0] for lst in lists) and scored == lists[0]  # the same list
+    assert lists[0][0][0] == 10813 and lists[0][0][1] > -1.0  # the emoji's first bytes lead

@@ -24,7 +24,9 @@ How, through llama.cpp's native API on both servers (its OpenAI routes refuse ``
    the first j emitted ids as a token-id prompt, n_predict = 1, the same sampler settings,
    n_probs = TOP_LOGPROBS, cache_prompt (the slot keeps the prefix: a position costs about
    one token's pass). Its ``completion_probabilities[0].top_logprobs`` are the reference's
-   top-n before sampling: the softmax of its logits, temperature 1.
+   top-n before sampling: the softmax of its logits, temperature 1. A draw that ends inside
+   a multi-byte character comes with no entry; the position is asked again with the draw
+   forced onto an ASCII token (``logit_bias``), which leaves that list as it is.
 
 No text is tokenized again anywhere: the reference is given the ids the endpoint emitted
 (a detokenized answer need not tokenize back to the same ids). Positions are scored in
@@ -51,7 +53,8 @@ from .sampled import (ENDPOINT, REFERENCE, TOKEN_IDS_REQUEST, TOP_LOGPROBS, logp
                       sampler_settings)
 
 SCORERS = ("auto", ENDPOINT, REFERENCE)
-SCORE_TRIES = 8  # draws asked of the reference for one position's top-n (score_position)
+SCORE_TRIES = 4  # forced draws asked of the reference for one position's top-n (score_position)
+FORCE_BIAS = 100.0  # a logit bias that makes one token the draw: e^100 outweighs any vocabulary
 
 
 class RescoreUnsupported(ValueError):
@@ -76,6 +79,7 @@ class _Native:
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.http = httpx.AsyncClient(base_url=cfg.base, headers=headers, timeout=cfg.timeout_s,
                                       limits=httpx.Limits(max_connections=concurrency + 4))
+        self._ascii: list[int | None] = []  # ascii_token's answer, once asked
 
     async def post(self, path: str, body: dict) -> dict:
         r = await self.http.post(path, json=body)
@@ -83,6 +87,19 @@ class _Native:
             raise httpx.HTTPStatusError(f"HTTP {r.status_code} from {path}: {r.text[:300]}", request=r.request,
                                         response=r)
         return r.json()
+
+    async def ascii_token(self) -> int | None:
+        """The id of a token that is one ASCII character ("a"), None where the vocabulary has
+        none: a draw forced onto it always ends on a whole character (score_position)."""
+        if not self._ascii:
+            try:
+                got = (await self.post("/tokenize", {"content": "a", "add_special": False,
+                                                     "parse_special": False}))["tokens"]
+                got = [t if isinstance(t, int) else t["id"] for t in got]
+            except (httpx.HTTPError, KeyError, TypeError, ValueError):
+                got = []  # a server without /tokenize: its draws are left free
+            self._ascii = [got[0] if len(got) == 1 else None]
+        return self._ascii[0]
 
     async def aclose(self):
         await self.http.aclose()
@@ -169,11 +186,23 @@ async def sample_answer(api: _Native, pid: str, slice_: str, ids: list[int], max
 
 async def score_position(ref: _Native, ids: list[int], sampler: dict) -> list[tuple[int, float]]:
     """The reference's top-n logprobs of the token after `ids` ([] if it sent none)."""
-    # the reference samples the token it lists, and lists none for a token that ends inside a
-    # multi-byte character (align_entries); its top-n before sampling do not depend on the
-    # draw, so a few more draws are asked for
-    for _ in range(SCORE_TRIES):
-        obj = await ref.post("/completion", _body(ids, 1, sampler))
+    # The reference lists no entry for a draw that ends inside a multi-byte character: a
+    # token that starts one (SmolLM2's 10813, the first two bytes of an emoji, is drawn 74%
+    # of the time after a run of emoji), so asking for more draws can fail (eight in a row
+    # did, in a CI run). Its top-n before sampling are the softmax of its raw logits, which
+    # no sampler setting touches (tools/server's get_token_probabilities), so after one
+    # free draw the draw is forced onto an ASCII token by logit_bias: the same list, always
+    # listed (tests/endpoint/test_rescore_llama_server.py checks both on the real server).
+    obj = await ref.post("/completion", _body(ids, 1, sampler))
+    probs = obj.get("completion_probabilities") or []
+    if probs:
+        return _top(probs[0])
+    forced = await ref.ascii_token()
+    for _ in range(SCORE_TRIES):  # more than one only where the server ignores the bias
+        body = _body(ids, 1, sampler)
+        if forced is not None:
+            body["logit_bias"] = [[forced, FORCE_BIAS]]
+        obj = await ref.post("/completion", body)
         probs = obj.get("completion_probabilities") or []
         if probs:
             return _top(probs[0])
