@@ -88,14 +88,19 @@ class _Native:
                                         response=r)
         return r.json()
 
+    async def tokenize(self, text: str, special: bool) -> list[int]:
+        """`text` as token ids (special: with BOS and special tokens parsed, as llama.cpp's
+        chat and completion routes tokenize a prompt)."""
+        got = (await self.post("/tokenize", {"content": text, "add_special": special,
+                                             "parse_special": special}))["tokens"]
+        return [t if isinstance(t, int) else t["id"] for t in got]
+
     async def ascii_token(self) -> int | None:
         """The id of a token that is one ASCII character ("a"), None where the vocabulary has
         none: a draw forced onto it always ends on a whole character (score_position)."""
         if not self._ascii:
             try:
-                got = (await self.post("/tokenize", {"content": "a", "add_special": False,
-                                                     "parse_special": False}))["tokens"]
-                got = [t if isinstance(t, int) else t["id"] for t in got]
+                got = await self.tokenize("a", special=False)
             except (httpx.HTTPError, KeyError, TypeError, ValueError):
                 got = []  # a server without /tokenize: its draws are left free
             self._ascii = [got[0] if len(got) == 1 else None]
@@ -110,8 +115,7 @@ async def prompt_ids(api: _Native, prompt: str, chat: bool) -> list[int]:
     text = prompt
     if chat:
         text = (await api.post("/apply-template", {"messages": [{"role": "user", "content": prompt}]}))["prompt"]
-    got = (await api.post("/tokenize", {"content": text, "add_special": True, "parse_special": True}))["tokens"]
-    return [t if isinstance(t, int) else t["id"] for t in got]
+    return await api.tokenize(text, special=True)
 
 
 def _top(entry: dict) -> list[tuple[int, float]]:
