@@ -46,7 +46,7 @@ class DraftModelDrafter(Drafter):
         self.target_vocab = target_vocab
         self.q_transform = q_transform  # q -> the distribution drafts are drawn from (None: q)
         self.cache = model.new_cache(max_rows, max_len)
-        self.prompt_cache = None  # engine.prompt_cache.PromptCache: prefills to reuse
+        self.prompt_cache = None  # models.prefill.PromptCache: prefills to reuse
 
     def map_models(self, fn) -> None:
         self.model = fn(self.model)

@@ -146,7 +146,7 @@ class Engine:
     def __init__(self, target, drafter=None, policy=None, config: EngineConfig = EngineConfig(),
                  prompt_cache=None, hooks: StepHooks | None = None):
         self.target = target
-        self.prompt_cache = prompt_cache  # engine.prompt_cache.PromptCache: prefills to reuse
+        self.prompt_cache = prompt_cache  # models.prefill.PromptCache: prefills to reuse
         self.drafter = drafter
         self.policy = policy if policy is not None else FixedK(0 if drafter is None else 4)
         if drafter is None and self.policy.max_k > 0:

@@ -111,7 +111,7 @@ class KVCache(RowPool):
             self.k[:, row, :, dst] = self.k[:, row, :, src]
             self.v[:, row, :, dst] = self.v[:, row, :, src]
 
-    # -- snapshots (engine/prompt_cache.py) --------------------------------------
+    # -- snapshots (models/prefill.py) --------------------------------------------
     def snapshot(self, row: int):
         """A copy of the row's keys and values ([L, Hkv, lengths[row], D] each)."""
         T = int(self.lengths[row])

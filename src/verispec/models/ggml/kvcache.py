@@ -279,7 +279,7 @@ class GgmlCache(RowPool):
                 raise RuntimeError(f"llama.cpp could not remove positions >= {n} of row {r}")
             held[r] = n
 
-    # -- snapshots (engine/prompt_cache.py) ------------------------------------------
+    # -- snapshots (models/prefill.py) ------------------------------------------------
     def snapshot(self, row: int):
         """The row's keys and values as llama.cpp's sequence state (bytes)."""
         ll = self._ll
