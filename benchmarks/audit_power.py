@@ -34,7 +34,6 @@ from pathlib import Path
 import numpy as np
 import scipy.stats as sps
 
-from verispec.audit import distribution
 from verispec.audit.context import AuditConfig, AuditSizes
 from verispec.audit.runner import run_audit
 

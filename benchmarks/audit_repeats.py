@@ -28,7 +28,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
 from benchmarks.endpoint_llama_cpp import gguf  # noqa: E402
 from verispec.audit.context import select_prompts  # noqa: E402
-from verispec.audit.endpoint.runner import run_endpoint_audit  # noqa: E402
+from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit  # noqa: E402
 from verispec.audit.report import write_reports  # noqa: E402
 from verispec.audit.suite import load_suite  # noqa: E402
 
@@ -131,9 +131,9 @@ def main() -> None:
         launch = {"reference": ref.cmd, **({"endpoint": endpoint.cmd} if speculative else {})}
         for seed in range(1, args.runs + 1):
             t0 = time.monotonic()
-            report = run_endpoint_audit(endpoint.url, select_prompts(suite, args.per_slice, seed),
-                                        reference_url=ref.url, max_tokens=args.max_tokens, concurrency=levels,
-                                        sampled_tokens=args.sampled_tokens, seed=seed)
+            report = run_endpoint_audit(EndpointAuditConfig(endpoint.url, reference_url=ref.url,
+                                                            max_tokens=args.max_tokens, concurrency=levels,
+                                                            sampled_tokens=args.sampled_tokens, seed=seed), select_prompts(suite, args.per_slice, seed))
             report["record"]["command"] = command
             write_reports(report, args.out / f"seed{seed}")
             rows.append(summarise(report, seed, time.monotonic() - t0))

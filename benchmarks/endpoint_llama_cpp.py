@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
 from tests.llama_server import NGRAM, LlamaServer  # noqa: E402
-from verispec.audit.endpoint.runner import run_endpoint_audit  # noqa: E402
+from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit  # noqa: E402
 from verispec.audit.report import write_reports  # noqa: E402
 from verispec.audit.suite import load_suite  # noqa: E402
 
@@ -203,8 +203,9 @@ def main() -> None:
     t0 = time.monotonic()
     with LlamaServer(target, threads=args.threads, ctx_per_slot=1024) as plain, \
             LlamaServer(target, spec=spec, threads=args.threads, ctx_per_slot=1024) as speculative:
-        report = run_endpoint_audit(speculative.url, prompts, reference_url=plain.url, max_tokens=args.max_tokens,
-                                    concurrency=levels, sampled_tokens=args.sampled_tokens)
+        report = run_endpoint_audit(EndpointAuditConfig(speculative.url, reference_url=plain.url,
+                                                        max_tokens=args.max_tokens, concurrency=levels,
+                                                        sampled_tokens=args.sampled_tokens), prompts)
         cmd = {"plain": plain.cmd, "speculative": speculative.cmd}
     report["record"]["launch"] = cmd  # what was served, as run
     report["record"]["command"] = command

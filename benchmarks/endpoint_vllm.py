@@ -23,7 +23,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src"), str(ROOT / "benchmarks")]
 from endpoint_llama_cpp import render  # noqa: E402
 from tests.vllm_server import NGRAM, VllmServer  # noqa: E402
 from verispec.audit.context import select_prompts  # noqa: E402
-from verispec.audit.endpoint.runner import run_endpoint_audit  # noqa: E402
+from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit  # noqa: E402
 from verispec.audit.suite import load_suite  # noqa: E402
 from verispec.models.presets import converted_dir, get_preset  # noqa: E402
 
@@ -41,8 +41,9 @@ def main() -> None:
     load_before = os.getloadavg()
     with VllmServer(model, name="smollm2") as plain, \
             VllmServer(model, name="smollm2", spec=NGRAM, fix_expand=args.fix) as spec:
-        report = run_endpoint_audit(spec.url, prompts, reference_url=plain.url, max_tokens=args.max_tokens,
-                                    concurrency=(1, 8), sampled_tokens=args.sampled_tokens)
+        report = run_endpoint_audit(EndpointAuditConfig(spec.url, reference_url=plain.url,
+                                                        max_tokens=args.max_tokens, concurrency=(1, 8),
+                                                        sampled_tokens=args.sampled_tokens), prompts)
         cmd = {"reference": plain.cmd, "speculative": spec.cmd}
     report["record"]["launch"] = cmd
     report["record"]["vllm_patches"] = ["vllm-project/vllm#55005 fix"] if args.fix else "none (as released)"

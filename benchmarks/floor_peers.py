@@ -33,7 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src"), str(ROOT / "benchmarks")]
 from endpoint_llama_cpp import gguf  # noqa: E402
 from tests.llama_server import NGRAM as LLAMA_NGRAM, LlamaServer  # noqa: E402
 from verispec.audit.context import select_prompts  # noqa: E402
-from verispec.audit.endpoint.runner import run_endpoint_audit  # noqa: E402
+from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit  # noqa: E402
 from verispec.audit.floor import FloorBudget  # noqa: E402
 from verispec.audit.report import write_reports  # noqa: E402
 from verispec.audit.suite import load_suite  # noqa: E402
@@ -79,11 +79,10 @@ def main() -> None:
     t0 = time.monotonic()
     plain, spec = servers(args.kind, args.threads)
     with plain, spec:
-        report = run_endpoint_audit(spec.url, prompts, reference_url=plain.url, only=("speedup-floor",),
-                                    sampled_tokens=0, seed=args.seed, min_speedup=args.min_speedup,
-                                    quick=args.budget == "quick", suite=suite, floor_budget=budget,
-                                    floor_settle_s=args.settle if args.settle is not None else
-                                    (2.0 if args.kind.startswith("vllm") else 0.0))
+        report = run_endpoint_audit(EndpointAuditConfig(spec.url, reference_url=plain.url, only=("speedup-floor",),
+                                                        sampled_tokens=0, seed=args.seed,
+                                                        min_speedup=args.min_speedup, quick=args.budget == "quick", suite=suite, floor_budget=budget, floor_settle_s=args.settle if args.settle is not None else
+                                    (2.0 if args.kind.startswith("vllm") else 0.0)), prompts)
         report["record"]["launch"] = {"plain": plain.cmd, "speculative": spec.cmd}
     report["record"]["command"] = command
     report["record"]["machine_load"] = {"after": list(os.getloadavg()), "cpus": os.cpu_count(),

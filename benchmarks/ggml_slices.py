@@ -37,7 +37,6 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor

@@ -1,14 +1,14 @@
 """--compare-to: a re-test gate between two endpoint audits (audit/endpoint/compare.py)."""
 
-import argparse
 import copy
 import json
 
 import pytest
 
+from tests.endpoint import audit_parser
 from tests.server.helpers import LiveServer, make_state
 from verispec.audit.endpoint.compare import CompareError, compare_reports, load_report
-from verispec.audit.endpoint.runner import add_endpoint_arguments, cmd_endpoint_audit, run_endpoint_audit
+from verispec.audit.endpoint.runner import EndpointAuditConfig, cmd_endpoint_audit, run_endpoint_audit
 from verispec.audit.suite import SuitePrompt
 
 PROMPTS = [SuitePrompt(f"s{i}", ("a", "b")[i % 2], t) for i, t in enumerate(
@@ -17,7 +17,8 @@ PROMPTS = [SuitePrompt(f"s{i}", ("a", "b")[i % 2], t) for i, t in enumerate(
 
 
 def _audit(url, previous=None):
-    return run_endpoint_audit(url, PROMPTS, chat=False, max_tokens=16, concurrency=(1, 4), previous=previous)
+    return run_endpoint_audit(EndpointAuditConfig(url, chat=False, max_tokens=16, concurrency=(1, 4),
+                                                  previous=previous), PROMPTS)
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +90,7 @@ def test_cli_exit_status_and_bad_old_report(reports, tmp_path):
         load_report(tmp_path / "nope")
     suite = tmp_path / "suite.jsonl"
     suite.write_text("\n".join(json.dumps({"id": p.id, "slice": p.slice, "prompt": p.prompt}) for p in PROMPTS))
-    p = argparse.ArgumentParser()
-    p.add_argument("--suite")
-    p.add_argument("--out")
-    p.add_argument("--quick", action="store_true")
-    add_endpoint_arguments(p)
+    p = audit_parser()
     assert cmd_endpoint_audit(p.parse_args(["--suite", str(suite), "--out", str(tmp_path / "r"), "--endpoint",
                                             "http://127.0.0.1:9", "--compare-to", str(tmp_path / "x.json")])) == 2
     with LiveServer(make_state(drafter="draft", k=2, max_batch=4)) as k2:

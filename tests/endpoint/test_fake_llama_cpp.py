@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 
 from tests.server.helpers import free_socket
-from verispec.audit.endpoint.runner import run_endpoint_audit
+from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit
 from verispec.audit.suite import SuitePrompt
 
 FIX = pathlib.Path(__file__).parent / "fixtures"
@@ -103,7 +103,8 @@ PROMPTS = [SuitePrompt(f"p{i}", ("a", "b")[i % 2], f"alpha beta {i}") for i in r
 
 def test_llama_cpp_kind_counters_and_record(servers):
     spec, plain = servers
-    report = run_endpoint_audit(spec, PROMPTS, reference_url=plain, concurrency=(1, 4), max_tokens=6)
+    report = run_endpoint_audit(EndpointAuditConfig(spec, reference_url=plain, concurrency=(1, 4), max_tokens=6),
+                                                    PROMPTS)
     rec = report["record"]
     assert rec["server"]["kind"] == "llama.cpp" and rec["server"]["version"] == "b1-0d6a3b2"
     assert rec["drafter"]["name"] == "llama.cpp: speculative in 8 of 8 slots"

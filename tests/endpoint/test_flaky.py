@@ -2,7 +2,6 @@
 answers it could not get are recorded as errors, the equivalence check calls the level
 inconclusive (a failure), and nothing raises; an unreachable server is a clear error."""
 
-import argparse
 import json
 import threading
 import time
@@ -11,8 +10,9 @@ import pytest
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from tests.endpoint import audit_parser
 from tests.server.helpers import free_socket
-from verispec.audit.endpoint.runner import add_endpoint_arguments, cmd_endpoint_audit, run_endpoint_audit
+from verispec.audit.endpoint.runner import EndpointAuditConfig, cmd_endpoint_audit, run_endpoint_audit
 from verispec.audit.suite import SuitePrompt
 
 
@@ -69,8 +69,8 @@ PROMPTS = [SuitePrompt("ok1", "a", "fine prompt"), SuitePrompt("err", "a", "ERR 
 
 
 def test_errors_and_cut_streams_are_recorded_not_raised(flaky, tmp_path):
-    report = run_endpoint_audit(flaky, PROMPTS, reference_url=flaky, concurrency=(1, 2), max_tokens=8,
-                                sampled_tokens=40)
+    report = run_endpoint_audit(EndpointAuditConfig(flaky, reference_url=flaky, concurrency=(1, 2), max_tokens=8,
+                                                    sampled_tokens=40), PROMPTS)
     eq = next(c for c in report["checks"] if c["name"] == "equivalence")
     assert not eq["passed"] and "inconclusive" in eq["summary"]
     rows = {(r["batch"], r["id"]): r for r in eq["details"]["prompts"]}
@@ -95,11 +95,7 @@ def test_unreachable_endpoint_is_a_clear_error(tmp_path, capsys):
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     suite = tmp_path / "s.jsonl"
     suite.write_text(json.dumps({"id": "a", "slice": "x", "prompt": "hi"}) + "\n")
-    p = argparse.ArgumentParser()
-    p.add_argument("--suite")
-    p.add_argument("--out")
-    p.add_argument("--quick", action="store_true")
-    add_endpoint_arguments(p)
+    p = audit_parser()
     rc = cmd_endpoint_audit(p.parse_args(["--suite", str(suite), "--out", str(tmp_path / "r"), "--endpoint", url]))
     sock.close()
     assert rc == 2

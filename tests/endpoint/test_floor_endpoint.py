@@ -7,7 +7,7 @@ import pytest
 
 from tests.endpoint.fake_vllm import fake_vllm
 from tests.endpoint.test_fake_llama_cpp import _serve
-from verispec.audit.endpoint.runner import run_endpoint_audit
+from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit
 from verispec.audit.floor import FloorBudget
 from verispec.audit.report import render_markdown
 from verispec.audit.suite import SuitePrompt
@@ -45,8 +45,8 @@ def servers():
 
 def audit(servers, **kw):
     spec, plain = servers
-    return run_endpoint_audit(spec, PROMPTS, reference_url=plain, only=("speedup-floor",), seed=kw.pop("seed", 0),
-                              sampled_tokens=0, **kw)
+    return run_endpoint_audit(EndpointAuditConfig(spec, reference_url=plain, only=("speedup-floor",),
+                                                  seed=kw.pop("seed", 0), sampled_tokens=0, **kw), PROMPTS)
 
 
 def floor_of(report):
@@ -83,17 +83,15 @@ def test_min_speedup_gates_on_the_interval(servers, monkeypatch):
 
 def test_without_a_reference_the_floor_says_why_not(servers):
     spec, _ = servers
-    report = run_endpoint_audit(spec, PROMPTS, only=("speedup-floor",), sampled_tokens=0)
+    report = run_endpoint_audit(EndpointAuditConfig(spec, only=("speedup-floor",), sampled_tokens=0), PROMPTS)
     f = floor_of(report)
     assert f["passed"] and "no plain reference" in f["summary"]
 
 
 def test_floor_settle_is_checked_at_the_edge():
-    import argparse
 
-    from verispec.audit.endpoint.runner import add_endpoint_arguments
-    ap = argparse.ArgumentParser()
-    add_endpoint_arguments(ap)
+    from tests.endpoint import audit_parser
+    ap = audit_parser()
     assert ap.parse_args(["--floor-settle", "2"]).floor_settle == 2.0
     for bad in ("-1", "x", "61"):
         with pytest.raises(SystemExit):

@@ -13,7 +13,7 @@ from fastapi import Request
 from tests.endpoint.test_fake_llama_cpp import _serve, fake_llama_server
 from verispec.audit.endpoint.client import EndpointConfig
 from verispec.audit.endpoint.rescore import align_entries, rescored_sampled_run, supported
-from verispec.audit.endpoint.runner import EndpointError, run_endpoint_audit
+from verispec.audit.endpoint.runner import EndpointAuditConfig, EndpointError, run_endpoint_audit
 from verispec.audit.endpoint.sampled import distribution_figures, sampler_settings
 from verispec.audit.suite import SuitePrompt
 
@@ -202,13 +202,13 @@ def test_the_reference_gets_token_ids_and_every_sampler_setting(servers):
 
 
 def test_the_audit_uses_the_reference_and_says_so(servers):
-    report = run_endpoint_audit(servers["exact"], PROMPTS, reference_url=servers["ref"], concurrency=(1,),
-                                max_tokens=6, sampled_tokens=240)
+    report = run_endpoint_audit(EndpointAuditConfig(servers["exact"], reference_url=servers["ref"],
+                                                    concurrency=(1,), max_tokens=6, sampled_tokens=240), PROMPTS)
     d = next(c for c in report["checks"] if c["name"] == "distribution")
     assert d["figures"]["scorers"]["reference"] > 0 and d["figures"]["tokens_without_logprobs"] == 0
     assert "the reference's top-n logprobs" in d["summary"]
     json.dumps(report)  # the report stays JSON
     with pytest.raises(EndpointError, match="--score-with reference"):
-        run_endpoint_audit(servers["exact"], PROMPTS, concurrency=(1,), max_tokens=6, sampled_tokens=240,
-                           score_with="reference")
+        run_endpoint_audit(EndpointAuditConfig(servers["exact"], concurrency=(1,), max_tokens=6,
+                                               sampled_tokens=240, score_with="reference"), PROMPTS)
     assert supported("llama.cpp", "llama.cpp") is None and "two llama.cpp servers" in supported("verispec", "llama.cpp")

@@ -2,15 +2,15 @@
 server: the same report files as the offline audit; it passes a correct server and fails
 one whose answers differ from the reference."""
 
-import argparse
 import json
 
 import pytest
 
 import verispec
 
+from tests.endpoint import audit_parser
 from tests.server.helpers import LiveServer, make_state
-from verispec.audit.endpoint.runner import add_endpoint_arguments, cmd_endpoint_audit
+from verispec.audit.endpoint.runner import cmd_endpoint_audit
 
 SUITE = [{"id": f"s{i}", "slice": ("letters", "words", "mixed")[i % 3], "prompt": p} for i, p in enumerate(
     ["hello there", "abc abc abc abc", "the quick brown fox", "zz", "one, two, three", "lorem ipsum dolor",
@@ -20,12 +20,7 @@ SUITE = [{"id": f"s{i}", "slice": ("letters", "words", "mixed")[i % 3], "prompt"
 def _args(tmp_path, *argv):
     suite = tmp_path / "suite.jsonl"
     suite.write_text("\n".join(json.dumps(r) for r in SUITE) + "\n")
-    p = argparse.ArgumentParser()
-    p.add_argument("--suite", default="default")
-    p.add_argument("--out", default="verispec-audit")
-    p.add_argument("--quick", action="store_true")
-    add_endpoint_arguments(p)
-    return p.parse_args(["--suite", str(suite), "--out", str(tmp_path / "report"), "--raw",
+    return audit_parser().parse_args(["--suite", str(suite), "--out", str(tmp_path / "report"), "--raw",
                          "--max-tokens", "12", "--concurrency", "1,4", *argv])
 
 

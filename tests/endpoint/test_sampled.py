@@ -9,7 +9,7 @@ import pytest
 from scipy import stats as sps
 
 from tests.server.helpers import LiveServer, make_state
-from verispec.audit.endpoint.runner import run_endpoint_audit
+from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit
 from verispec.audit.endpoint.client import EndpointRun, LevelRun, PromptResult
 from verispec.audit.endpoint.sampled import distribution_figures, pit_top_n, sampler_settings
 from verispec.audit.suite import SuitePrompt
@@ -134,8 +134,8 @@ def test_typical_lossy_fails_on_statistics_and_the_exact_rule_passes(rule):
     runs). The greedy checks on the fp32 runtime (equivalence against the null, corruption)
     passed, 100% identical, in all 30."""
     with LiveServer(make_state(drafter="draft", k=3, rule=rule)) as s:
-        report = run_endpoint_audit(s.url, PROMPTS, chat=False, max_tokens=32, concurrency=(4,),
-                                    sampled_tokens=1536)
+        report = run_endpoint_audit(EndpointAuditConfig(s.url, chat=False, max_tokens=32, concurrency=(4,),
+                                                        sampled_tokens=1536), PROMPTS)
     d = _dist(report)
     f = d["figures"]
     # answers that end at the end-of-text token are shorter: the check asks for more until the budget is met

@@ -4,14 +4,14 @@ per-request acceptance from /metrics where the answers carry none (vLLM), and a 
 that acceptance cannot explain reported as noise. The servers are stand-ins (FastAPI) that
 answer as vLLM and llama.cpp do."""
 
-import argparse
 
 import pytest
 
+from tests.endpoint import audit_parser
 from tests.endpoint.fake_vllm import fake_vllm
 from tests.endpoint.test_fake_llama_cpp import fake_llama_server, _serve
 from verispec.audit.endpoint.client import EndpointClient, EndpointConfig, audit_paired
-from verispec.audit.endpoint.runner import _speed_repeats, add_endpoint_arguments, run_endpoint_audit
+from verispec.audit.endpoint.runner import EndpointAuditConfig, _speed_repeats, run_endpoint_audit
 from verispec.audit.report import render_markdown
 from verispec.audit.suite import SuitePrompt
 
@@ -58,8 +58,9 @@ def _check(report, name):
 
 def test_vllm_slices_get_per_request_acceptance_and_a_noise_verdict(vllm_servers):
     spec, plain = vllm_servers
-    report = run_endpoint_audit(spec, PROMPTS, reference_url=plain, concurrency=(1, 2), max_tokens=TOKENS,
-                                speed_repeats=3, only=("slices", "load"))
+    report = run_endpoint_audit(EndpointAuditConfig(spec, reference_url=plain, concurrency=(1, 2),
+                                                    max_tokens=TOKENS, speed_repeats=3, only=("slices", "load")),
+                                                    PROMPTS)
     runs = report["endpoint_runs"]["endpoint"]["levels"]
     # at concurrency 1 each answer carries the endpoint's counters over it alone; not above
     for r in runs[0]["results"]:
@@ -94,8 +95,8 @@ def test_vllm_slices_get_per_request_acceptance_and_a_noise_verdict(vllm_servers
 
 def test_llama_cpp_answers_carry_their_own_figures(llama_servers):
     spec, plain = llama_servers
-    report = run_endpoint_audit(spec, PROMPTS, reference_url=plain, concurrency=(1,), max_tokens=6,
-                                speed_repeats=2, only=("slices",))
+    report = run_endpoint_audit(EndpointAuditConfig(spec, reference_url=plain, concurrency=(1,), max_tokens=6,
+                                                    speed_repeats=2, only=("slices",)), PROMPTS)
     assert all(r["counter_spec"] is None and r["server_info"]["drafted"] == 6
                for r in report["endpoint_runs"]["endpoint"]["levels"][0]["results"])
     sl = _check(report, "slices")
@@ -113,8 +114,8 @@ def test_llama_cpp_answers_carry_their_own_figures(llama_servers):
 
 def test_no_concurrency_1_level_means_no_repeats(llama_servers):
     spec, plain = llama_servers
-    report = run_endpoint_audit(spec, PROMPTS, reference_url=plain, concurrency=(2,), max_tokens=6,
-                                speed_repeats=3, only=("slices",))
+    report = run_endpoint_audit(EndpointAuditConfig(spec, reference_url=plain, concurrency=(2,), max_tokens=6,
+                                                    speed_repeats=3, only=("slices",)), PROMPTS)
     f = _check(report, "slices")["figures"]
     assert f["speed_repeats"] == 1 and f["pooled_pairs"] == len(PROMPTS)
 
@@ -139,12 +140,10 @@ def test_a_repeat_flips_the_order_of_every_wave(llama_servers, monkeypatch):
 
 
 def test_speed_repeats_option():
-    p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
-    add_endpoint_arguments(p)
+    p = audit_parser()
     assert _speed_repeats(p.parse_args([])) == 3 and _speed_repeats(p.parse_args(["--quick"])) == 2
     assert _speed_repeats(p.parse_args(["--quick", "--speed-repeats", "5"])) == 5
     with pytest.raises(SystemExit):
         p.parse_args(["--speed-repeats", "0"])
     with pytest.raises(ValueError, match="speed_repeats"):
-        run_endpoint_audit("http://127.0.0.1:9", PROMPTS, speed_repeats=0)
+        run_endpoint_audit(EndpointAuditConfig("http://127.0.0.1:9", speed_repeats=0), PROMPTS)

@@ -31,12 +31,12 @@ def converted():
 
 
 def test_a_row_leak_fails_corruption_from_outside(converted):
-    from verispec.audit.endpoint.runner import run_endpoint_audit
+    from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit
 
     prompts = select_prompts(load_suite("default"), 2)
     with serve() as plain, serve("--draft", "lookup", "--inject-fault", "row-leak") as faulty:
-        report = run_endpoint_audit(faulty, prompts, reference_url=plain, max_tokens=64, concurrency=(8,),
-                                    only=("corruption",))
+        report = run_endpoint_audit(EndpointAuditConfig(faulty, reference_url=plain, max_tokens=64,
+                                                        concurrency=(8,), only=("corruption",)), prompts)
     corruption = next(c for c in report["checks"] if c["name"] == "corruption")
     assert not corruption["passed"], corruption["summary"]
     assert corruption["figures"]["tokens"] == "the reference's tokens (verispec /tokenize)"

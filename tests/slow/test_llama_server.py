@@ -47,8 +47,9 @@ def prompts():
 
 
 def _audit(url, ref, prompts, **kw):
-    from verispec.audit.endpoint.runner import run_endpoint_audit
-    return run_endpoint_audit(url, prompts, reference_url=ref, max_tokens=48, concurrency=LEVELS, **kw)
+    from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit
+    return run_endpoint_audit(EndpointAuditConfig(url, reference_url=ref, max_tokens=48, concurrency=LEVELS, **kw),
+                                                  prompts)
 
 
 def _all_but(*names):

@@ -60,13 +60,13 @@ def prompts():
 
 
 def _audit(url, ref, prompts, **kw):
-    from verispec.audit.endpoint.runner import run_endpoint_audit
+    from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit
     # speed is not what these tests judge: one timed pair a prompt, and the smallest floor
     # search that still runs every stage (a full one costs CI ~4 minutes a server)
     kw.setdefault("speed_repeats", 1)
     kw.setdefault("floor_budget", TINY_FLOOR)
-    return run_endpoint_audit(url, prompts, reference_url=ref, max_tokens=64, concurrency=LEVELS,
-                              sampled_tokens=SAMPLED, **kw)
+    return run_endpoint_audit(EndpointAuditConfig(url, reference_url=ref, max_tokens=64, concurrency=LEVELS,
+                                                  sampled_tokens=SAMPLED, **kw), prompts)
 
 
 def _all_but(*names):

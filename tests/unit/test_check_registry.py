@@ -13,7 +13,7 @@ from tests.audit_tiny import TINY_SIZES, one_thread, tiny_audit, tiny_models
 from tests.server.helpers import LiveServer, make_state
 from verispec.audit import checks
 from verispec.audit.checks import ENDPOINT, ENGINE, Check, CheckResult, register, unregister
-from verispec.audit.endpoint.runner import run_endpoint_audit
+from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit
 from verispec.audit.report import write_reports
 from verispec.audit.suite import SuitePrompt
 
@@ -22,12 +22,12 @@ TOY = "toy-prompt-count"
 
 def _engine(a) -> CheckResult:
     n = len(a.ctx.prompt_ids)
-    return CheckResult(TOY, n > 0, f"{n} prompts audited (toy)", {"prompts": n, "mode": ENGINE})
+    return CheckResult(n > 0, f"{n} prompts audited (toy)", {"prompts": n, "mode": ENGINE})
 
 
 def _endpoint(a) -> CheckResult:
     n = len(a.prompts)
-    return CheckResult(TOY, n > 0, f"{n} prompts audited (toy)", {"prompts": n, "mode": ENDPOINT})
+    return CheckResult(n > 0, f"{n} prompts audited (toy)", {"prompts": n, "mode": ENDPOINT})
 
 
 TOY_CHECK = Check(TOY, engine=_engine, endpoint=_endpoint,
@@ -61,10 +61,10 @@ def _seen_everywhere(report: dict, out, mode: str) -> None:
 def test_the_built_in_checks_are_one_list_in_report_order():
     names = [c.name for c in checks.REGISTRY]
     assert names == ["lossy-rule", "equivalence", "distribution", "seeded", "stopping", "drafter-consistency",
-                     "corruption", "slices", "speedup-floor", "load", "record"]
+                     "corruption", "slices", "speedup-floor", "load", "record", "compare"]
     assert checks.selectable(ENDPOINT) == ("equivalence", "distribution", "corruption", "slices", "speedup-floor",
                                            "load")
-    assert [c.name for c in checks.checks_for(ENGINE)] == names
+    assert [c.name for c in checks.checks_for(ENGINE)] == names[:-1]  # the re-test gate is the endpoint's
     with pytest.raises(ValueError, match="already registered"):
         register(Check("equivalence"))
 
@@ -82,7 +82,58 @@ def test_a_toy_check_runs_offline_and_appears_in_every_report_format(toy, tmp_pa
 def test_a_toy_check_runs_from_outside_and_appears_in_every_report_format(toy, tmp_path):
     prompts = [SuitePrompt(f"p{i}", "s", t) for i, t in enumerate(["abc abc abc", "hello there", "1 2 3 4"])]
     with LiveServer(make_state(drafter="draft", k=3)) as s:
-        report = run_endpoint_audit(s.url, prompts, chat=False, max_tokens=8, concurrency=(2,))
+        report = run_endpoint_audit(EndpointAuditConfig(s.url, chat=False, max_tokens=8, concurrency=(2,)), prompts)
     got = next(c for c in report["checks"] if c["name"] == TOY)
     assert got["passed"] and got["figures"] == {"prompts": 3, "mode": ENDPOINT}
     _seen_everywhere(report, tmp_path, ENDPOINT)
+
+
+# -- a check whose code raises: an error in the report, the rest of the audit unharmed ----------
+BROKEN = "broken-on-purpose"
+
+
+def _raise(a):
+    raise RuntimeError("this check breaks on purpose")
+
+
+@pytest.fixture
+def broken():
+    check = register(Check(BROKEN, engine=_raise, endpoint=_raise), before=checks.find("equivalence"))
+    try:
+        yield check
+    finally:
+        unregister(BROKEN)
+
+
+def _error_reported(report: dict, mode: str, out) -> None:
+    by_name = {c["name"]: c for c in report["checks"]}
+    assert by_name[BROKEN]["status"] == "error" and "breaks on purpose" in by_name[BROKEN]["summary"]
+    assert report["verdict"] == "fail" and BROKEN in report["failed_checks"]
+    # every other check of the mode ran and reported after it (none is skipped by the error)
+    expected = [c.name for c in checks.checks_for(mode) if c.name not in (BROKEN, "compare", "lossy-rule")]
+    assert all(n in by_name for n in expected), set(expected) - set(by_name)
+    assert all(by_name[n]["status"] != "error" for n in expected), {n: by_name[n]["summary"] for n in expected}
+    paths = write_reports(report, out)
+    assert "ERROR" in paths["md"].read_text() and "ERROR" in paths["html"].read_text()
+
+
+def test_a_check_that_raises_is_an_error_and_the_offline_audit_goes_on(broken, tmp_path):
+    sizes = TINY_SIZES.__class__(**{**TINY_SIZES.__dict__, "name": "toy", "distribution_tokens": 200,
+                                    "probe_tokens": 0})
+    with one_thread():
+        result = tiny_audit(tiny_models(), sizes=sizes, batch_sizes=(1, 4))
+    _error_reported(result.to_dict(), ENGINE, tmp_path)
+
+
+def test_a_check_that_raises_is_an_error_and_the_endpoint_audit_goes_on(broken, tmp_path):
+    from tests.endpoint import audit_parser
+    from verispec.audit.endpoint.runner import cmd_endpoint_audit
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text("\n".join(json.dumps({"id": f"p{i}", "slice": "s", "prompt": t})
+                               for i, t in enumerate(["abc abc abc", "hello there", "1 2 3 4"])))
+    with LiveServer(make_state(drafter="draft", k=3)) as s:
+        args = audit_parser().parse_args(["--endpoint", s.url, "--suite", str(suite), "--out", str(tmp_path / "r"),
+                                          "--raw", "--max-tokens", "8", "--concurrency", "2",
+                                          "--sampled-tokens", "200", "--min-verified-drafts", "0"])
+        assert cmd_endpoint_audit(args) == 1  # the exit status of a failed audit, not a crash
+    _error_reported(json.loads((tmp_path / "r" / "report.json").read_text()), ENDPOINT, tmp_path / "again")

@@ -15,8 +15,6 @@ from ..policy.costs import CostCache, measure_costs
 from ..sampling import SamplingParams
 from ..verify import RULES
 from .checks import ENGINE, selectable
-from .faults import build as build_fault
-from .faults import parse as parse_fault
 from .floor import FloorBudget
 from .suite import SuitePrompt, slices
 
@@ -192,6 +190,7 @@ class AuditConfig:
         if self.prompt_format not in ("auto", "chat", "raw"):
             raise ValueError(f"prompt_format must be auto, chat or raw, got {self.prompt_format!r}")
         if self.inject_fault is not None:
+            from .faults import parse as parse_fault  # the faults name the checks: they import the registry
             parse_fault(self.inject_fault)  # ValueError naming the faults
         names = selectable(ENGINE)  # --only's choices (lossy-rule and record always run)
         unknown = set(self.only) - set(names)
@@ -291,6 +290,8 @@ class AuditContext:
         """An engine of the system under audit on the audited model: with config.inject_fault
         it has that fault's hooks (audit/faults/), and no other engine of the audit does."""
         name = self.config.inject_fault
+        if name:
+            from .faults import build as build_fault  # the faults name the checks: they import the registry
         build = Engine if not name else build_fault(name).engine
         return build(self.model, drafter, policy, config, prompt_cache=prompt_cache)
 

@@ -188,5 +188,5 @@ def corruption_check(ctx, runs) -> CheckResult:
                                       f">= {LOOP_MIN_SPAN} tokens at the end",
                               "repeated_4gram_fraction": REPETITIVE_FRACTION, "char_run": CHAR_RUN,
                               "perplexity_ratio": PPL_RATIO, "early_stop_ratio": EARLY_STOP_RATIO}}
-    return CheckResult("corruption", passed, summary, figures,
+    return CheckResult(passed, summary, figures,
                        {"per_batch": per_batch, "flagged": flagged[:50]})

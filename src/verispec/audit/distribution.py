@@ -536,4 +536,4 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     # replays to measure this check's power against relaxed acceptance rules
     details = {"calibration_a": [round(a, 6) for a, _ in pooled.calib],
                "probe_a": [round(a, 6) for a, _ in pooled.probe_calib]}
-    return CheckResult("distribution", passed, summary, figures, details)
+    return CheckResult(passed, summary, figures, details)

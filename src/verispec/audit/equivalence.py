@@ -226,7 +226,7 @@ def equivalence_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
                "near_tie_allowance": near_tie_allowance(len(runs.reference)) if null is None else None,
                "prompts": len(runs.reference), "max_new_tokens": ctx.config.sizes.max_new_tokens,
                "reference": "plain decoding, batch 1, greedy", "greedy_seconds": round(runs.seconds, 1)}
-    return CheckResult("equivalence", passed, summary, figures,
+    return CheckResult(passed, summary, figures,
                        {"per_batch": per_batch, "prompts": rows})
 
 

@@ -327,7 +327,7 @@ def floor_result(subject: Subject, budget: FloorBudget, seed: int, progress, min
     details = {"candidates": [c.to_dict() for c in done],
                "confirmed": [c.id for c in chosen],
                "elapsed_s": time.perf_counter() - t0}
-    return CheckResult("speedup-floor", passed, summary, figures, details, informational=min_speedup is None)
+    return CheckResult(passed, summary, figures, details, informational=min_speedup is None)
 
 
 # -- the engine: white box ----------------------------------------------------------------------
@@ -517,7 +517,7 @@ def endpoint_floor_check(a, min_speedup: float | None = None, budget: FloorBudge
             finally:
                 await client.aclose()
         a.floor_run = a.floor_run or EndpointRun(a.cfg.base, asyncio.run(model_id()), a.info.kind, False, [])
-        return CheckResult("speedup-floor", True, "not run: no plain reference to time against "
+        return CheckResult(True, "not run: no plain reference to time against "
                            "(--reference-endpoint)", {"floor": None}, informational=True)
     budget = budget or a.floor_budget or FloorBudget.quick()
     subject = EndpointSubject(a.cfg, a.ref_cfg, budget, a.floor_settle_s)

@@ -173,4 +173,4 @@ def load_check(ctx: AuditContext) -> CheckResult:
                         "per token emitted; 95% t interval of the mean log ratio",
                "predicted_from": "tokens per target pass and the cost model's target and draft costs at the "
                                  "point's batch size"}
-    return CheckResult("load", True, "; ".join(words), figures, {"points": points}, informational=True)
+    return CheckResult(True, "; ".join(words), figures, {"points": points}, informational=True)

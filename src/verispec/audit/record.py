@@ -116,4 +116,4 @@ def record_check(rec: dict) -> CheckResult:
                f"{len(rec['retest_triggers'])} re-test triggers")
     figures = {"target_sha256": rec["target"].get("sha256"), "files_hashed": len(hashed),
                "retest_triggers": len(rec["retest_triggers"])}
-    return CheckResult("record", True, summary, figures, informational=True)
+    return CheckResult(True, summary, figures, informational=True)

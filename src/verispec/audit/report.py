@@ -10,7 +10,7 @@ import io
 import json
 from pathlib import Path
 
-from .checks import REGISTRY, Check, CheckResult, find
+from .checks import REGISTRY, Check, CheckResult, find, status_of
 from .fmt import f as _f
 
 
@@ -117,7 +117,7 @@ def render_markdown(report: dict) -> str:
     parts.append(_md_table(["", ""], headline(report)))
     parts.append("## Checks\n")
     parts.append(_md_table(["check", "result", "time", "drafts verified", "summary"],
-                           [[c["name"], "info" if c["informational"] else ("pass" if c["passed"] else "**FAIL**"),
+                           [[c["name"], {"fail": "**FAIL**", "error": "**ERROR**"}.get(status_of(c), status_of(c)),
                              f"{c['elapsed_s']:.1f} s", _f(drafts_verified(c), "d"), c["summary"]]
                             for c in report["checks"]]))
     for title, header, rows in _sections(report):
@@ -136,7 +136,7 @@ _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1200px;
 color:#222;padding:0 16px}
 h1{margin:0 0 8px}.verdict{display:inline-block;padding:6px 18px;border-radius:6px;color:#fff;font-weight:700}
-.pass{background:#2e7d32}.fail{background:#c62828}.info{background:#546e7a}
+.pass{background:#2e7d32}.fail{background:#c62828}.error{background:#6a1b9a}.info{background:#546e7a}
 table{border-collapse:collapse;margin:8px 0 20px;font-size:13px}td,th{border:1px solid #ccc;padding:4px 8px;
 text-align:left;vertical-align:top}th{background:#f3f3f3}
 .grid{display:grid;grid-template-columns:1fr 1fr;gap:16px}.plot{border:1px solid #ddd;padding:8px}
@@ -163,7 +163,7 @@ def render_html(report: dict) -> str:
     out.append("<h2>Checks</h2>")
     rows = []
     for c in report["checks"]:
-        res = "info" if c["informational"] else ("pass" if c["passed"] else "fail")
+        res = status_of(c)
         rows.append(f"<tr><td>{html.escape(c['name'])}</td><td><span class='verdict {res}'>{res.upper()}</span>"
                     f"</td><td>{c['elapsed_s']:.1f} s</td><td>{_f(drafts_verified(c), 'd')}</td>"
                     f"<td>{html.escape(c['summary'])}</td></tr>")

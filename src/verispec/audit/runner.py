@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import datetime
 import time
-import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..engine import GenerationParams, Request
 from ..policy import FixedK
 from . import churn, record
-from .checks import ENGINE, Check, CheckResult, checks_for, failed_check, verdict
+from .checks import ENGINE, CheckResult, run_checks, verdict
 from .context import AuditConfig, AuditContext, DrafterFactory, GreedyRuns, encode, select_prompts
 from .progress import NullProgress
 from .suite import SuitePrompt, load_suite
@@ -101,14 +100,7 @@ def run_audit(config: AuditConfig, *, target=None, drafter_factory: DrafterFacto
                        chat=chat, stops=stops, progress=progress)
 
     audit = EngineAudit(ctx, target.files, draft_files, started)
-    for check in checks_for(ENGINE):
-        if not check.always and ((config.fail_fast and any(not c.passed for c in audit.results))
-                                 or (config.only and check.name not in config.only)):
-            audit.skipped.append(check.name)  # --fail-fast: the verdict is already FAIL; --only: not asked for
-            continue
-        result = audit.attempt(check)
-        if result is not None:
-            progress.check_done(result)
+    run_checks(ENGINE, audit, only=tuple(config.only or ()), fail_fast=config.fail_fast, progress=progress)
     rec = audit.record()
     elapsed = time.perf_counter() - t_start
     rec["elapsed_s"] = round(elapsed, 1)
@@ -135,7 +127,7 @@ class EngineAudit:
         if self.greedy is None:
             try:
                 self.greedy = greedy_runs(self.ctx)
-            except Exception as e:  # noqa: BLE001 - attempt() turns it into a failed check
+            except Exception as e:  # noqa: BLE001 - checks.attempt turns it into a failed check
                 self.greedy_error = f"{type(e).__name__}: {e}"
                 raise
         return self.greedy
@@ -146,21 +138,6 @@ class EngineAudit:
             self._record = record.build_record(self.ctx, self.target_files, self.draft_files, self.started)
             self._record["checks_not_run"] = list(self.skipped)
         return self._record
-
-    def attempt(self, check: Check) -> CheckResult | None:
-        """Run one check; an exception in the system under audit fails that check."""
-        t0 = time.perf_counter()
-        try:
-            if ENGINE in check.greedy and self.greedy_error is not None:
-                result = CheckResult(check.name, False, "not run: the greedy runs failed (see equivalence)")
-            else:
-                result = check.engine(self)
-        except Exception as e:  # noqa: BLE001 - whatever the engine raises is a finding
-            result = failed_check(check.name, e, traceback.format_exc(limit=-6))
-        if result is not None:
-            result.elapsed_s += time.perf_counter() - t0
-            self.results.append(result)
-        return result
 
 
 # -- greedy runs and equivalence -------------------------------------------------------------

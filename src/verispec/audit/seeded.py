@@ -36,7 +36,7 @@ def _keyed_margin(ctx: AuditContext, sp: SamplingParams):
 def seeded_check(ctx: AuditContext) -> CheckResult:
     cfg = ctx.config
     if cfg.rule in LOSSY_RULES or cfg.rule == "greedy":
-        return CheckResult("seeded", True, f"not applicable: rule {cfg.rule!r} makes no promise for seeded "
+        return CheckResult(True, f"not applicable: rule {cfg.rule!r} makes no promise for seeded "
                            "sampled requests", {"applicable": False, "rule": cfg.rule}, informational=True)
     t0 = time.perf_counter()
     max_new = cfg.sizes.seeded_max_new
@@ -152,4 +152,4 @@ def seeded_check(ctx: AuditContext) -> CheckResult:
                "divergences": sum(r["divergence"] for r in per_config),
                "near_ties": sum(r["near-tie"] for r in per_config),
                "reference": "seeded plain decoding, batch 1", "seconds": round(time.perf_counter() - t0, 1)}
-    return CheckResult("seeded", passed, summary, figures, {"per_config": per_config, "prompts": rows})
+    return CheckResult(passed, summary, figures, {"per_config": per_config, "prompts": rows})

@@ -179,4 +179,4 @@ def slices_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
                "predicted_from": "tokens per target pass and the cost model's target and draft costs at "
                                  "batch 1 (draft cost " + ("none: a model-free drafter)" if costs.draft_free
                                                            else "measured)")}
-    return CheckResult("slices", True, summary, figures, {"slices": rows, "pooled": pooled}, informational=True)
+    return CheckResult(True, summary, figures, {"slices": rows, "pooled": pooled}, informational=True)

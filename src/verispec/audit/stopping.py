@@ -93,7 +93,7 @@ def stopping_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
         if all(t not in ctx.stops for t in out[:m]):
             cases.append((i, GenerationParams(max_new_tokens=m, stop_token_ids=ctx.stops), out[:m], "length"))
     if not cases:
-        return CheckResult("stopping", False, "INCONCLUSIVE: no reference output long enough to cut",
+        return CheckResult(False, "INCONCLUSIVE: no reference output long enough to cut",
                            {"cases": 0})
     configs = [(None, cfg.policy)]
     if cfg.policy != "fixed":
@@ -148,4 +148,4 @@ def stopping_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
     figures = {"cases": len(cases), "batch": b, "wrong": wrong, "stops_inside_drafts": inside,
                "limits_in_drafted_steps": limits, "near_ties_set_aside": near, "tie_margin": tie["value"],
                "reference": "plain greedy decoding at batch 1, cut at a stop token or length"}
-    return CheckResult("stopping", passed, summary, figures, {"per_config": per_config, "wrong": bad[:40], "near_ties": excused[:40]})
+    return CheckResult(passed, summary, figures, {"per_config": per_config, "wrong": bad[:40], "near_ties": excused[:40]})

@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     if wants_ggml(sys.argv[1:] if argv is None else list(argv)):
         spin_for_ggml()  # before build_parser() loads torch (omp.py says why)
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # what was given, for checks of mode (cli/audit.py)
     try:
         return args.func(args)
     except UsageError as e:

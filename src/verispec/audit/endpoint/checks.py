@@ -95,7 +95,14 @@ class EndpointAudit:
     # the further paired runs at concurrency 1 (endpoint run, reference run), each of one level
     speed_runs: list[tuple[EndpointRun, EndpointRun]] = field(default_factory=list)
     record: dict | None = None
+    # the sampler settings the distribution check sent, for the record (None: it did not run)
+    sampling_sent: dict | None = None
+    previous: dict | None = None  # an earlier audit's report: the re-test gate's baseline
+    only: tuple[str, ...] = ()
+    greedy: bool = True  # whether the greedy runs are made (only for the checks that read them)
+    greedy_error: str | None = None  # why the greedy runs failed
     results: list[CheckResult] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
     def greedy_runs(self, null_repeats: int) -> None:
         """The base (reference at concurrency 1), then the endpoint and the reference at every
@@ -122,8 +129,19 @@ class EndpointAudit:
                 self.nulls.setdefault(lv.concurrency, Comparison(lv.concurrency)).rows += compare(
                     self.base_results, lv.results, lv.concurrency).rows
 
-    def result(self, name: str) -> CheckResult | None:
-        return next((c for c in self.results if c.name == name), None)
+    def report(self, elapsed_s: float) -> dict:
+        """The report so far, in the offline audit's format (the re-test gate compares it with
+        the earlier one before the gate's own result joins it)."""
+        failed = [c.name for c in self.results if not c.passed]
+        levels = self.run.levels[-1].results if self.run else []
+        samples = [{"slice": p.slice, "prompt": p.prompt, "reference": r.text or "", "speculative": g.text or ""}
+                   for p, r, g in list(zip(self.prompts, self.base_results, levels))[:6]]
+        runs = ({"endpoint": self.run.to_dict(), "base": self.base.to_dict(), "reference": self.null_run.to_dict()}
+                if self.greedy and self.run is not None
+                else {"sampled": self.srun.to_dict() if self.srun is not None else None})
+        return {"verdict": "fail" if failed else "pass", "failed_checks": failed, "elapsed_s": round(elapsed_s, 1),
+                "checks": [c.to_dict() for c in self.results], "record": self.record, "samples": samples,
+                "only": list(self.only), "checks_not_run": list(self.skipped), "endpoint_runs": runs}
 
 
 # -- the checks from outside (audit/registry.py registers them) ------------------------------
@@ -133,7 +151,7 @@ def lossy_rule_check(a: EndpointAudit) -> CheckResult | None:
         return None
     lossy = bool(a.info.speculative.get("lossy"))
     rule = a.info.speculative["rule"]
-    return _check("lossy-rule", not lossy, f"server rule {rule!r} is " + ("LOSSY" if lossy else "exact"),
+    return _check(not lossy, f"server rule {rule!r} is " + ("LOSSY" if lossy else "exact"),
                   {"rule": rule, "lossy": lossy})
 
 
@@ -158,8 +176,10 @@ def distribution_check(a: EndpointAudit) -> CheckResult | None:
             a.srun = sampled_run(a.cfg, a.info.kind, sprompts, a.sampled_tokens, max(a.concurrency))
     except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
         raise EndpointError(f"the sampled run at {a.cfg.base}: {type(e).__name__}: {e}") from None
-    return _distribution(a.srun, a.sampled_tokens, a.info, a.min_verified_drafts,
-                         None if a.score_with == "endpoint" or not why_not else why_not, a.seed)
+    result = _distribution(a.srun, a.sampled_tokens, a.info, a.min_verified_drafts,
+                           None if a.score_with == "endpoint" or not why_not else why_not, a.seed)
+    a.sampling_sent = {"sent": result.figures["sampler_sent"], "top_logprobs": result.figures["top_logprobs"]}
+    return result
 
 
 def corruption_check(a: EndpointAudit) -> CheckResult:
@@ -183,21 +203,18 @@ def record_check(a: EndpointAudit) -> CheckResult:
                      a.max_tokens, a.concurrency, a.suite_spec, a.suite_size, a.started)
     record["suite"]["audit_seed"] = a.seed  # the prompts chosen, the sampled phase's order, the tie-breaks
     record["suite"]["prompt_ids"] = [p.id for p in a.prompts]
-    dist = a.result("distribution")
-    if dist is not None:
-        record["sampling"]["distribution_check"] = {"sent": dist.figures["sampler_sent"], "seed": "none sent",
-                                                    "audit_seed": a.seed,
-                                                    "top_logprobs": dist.figures["top_logprobs"]}
+    if a.sampling_sent is not None:
+        record["sampling"]["distribution_check"] = {**a.sampling_sent, "seed": "none sent", "audit_seed": a.seed}
     a.record = record
     audited = a.run or a.srun or a.floor_run
     info = a.info
-    return _check("record", True, f"endpoint {audited.url} ({info.kind} {info.version or 'version unknown'}), "
+    return _check(True, f"endpoint {audited.url} ({info.kind} {info.version or 'version unknown'}), "
                                   f"model {audited.model}; {len(record['retest_triggers'])} re-test triggers",
                   {"kind": info.kind, "version": info.version, "model": audited.model}, informational=True)
 
 
-def _check(name, passed, summary, figures=None, details=None, informational=False) -> CheckResult:
-    return CheckResult(name, passed, summary, figures or {}, details, informational)
+def _check(passed, summary, figures=None, details=None, informational=False) -> CheckResult:
+    return CheckResult(passed, summary, figures or {}, details, informational)
 
 
 def _equivalence(tests: list[Comparison], nulls: dict[int, Comparison], base: EndpointRun, reference_kind: str,
@@ -257,7 +274,7 @@ def _equivalence(tests: list[Comparison], nulls: dict[int, Comparison], base: En
                [[r["batch"], r["id"], r["slice"], r["first_divergence"],
                  "-" if r["margin"] is None else f"{r['margin']:.3g}"]
                 for r in null_rows if not r["exact"] and r["error"] is None][:40])]
-    return _check("equivalence", not failures, summary, figures,
+    return _check(not failures, summary, figures,
                   {"per_batch": per_batch, "prompts": rows, "null_prompts": null_rows, "null": v["null"],
                    "tables": tables})
 
@@ -318,7 +335,7 @@ def _distribution(srun: EndpointRun, budget: int, info: ServerInfo, min_drafts: 
     f["sampler_sent"] = {"temperature": 1.0, **sampler_settings(info.kind)}
     f["prompts"] = (f"the suite's prompts and {len(DRAFTING_PROMPTS)} copy-heavy prompts in turn (answers that "
                     "copy their prompt, so that the drafter proposes)")
-    return _check("distribution", f["passed"], summary, f, {"answers": f["answers"]})
+    return _check(f["passed"], summary, f, {"answers": f["answers"]})
 
 
 def _pseudo_tokens(text: str) -> list[int]:
@@ -420,7 +437,7 @@ def _corruption(run: EndpointRun, refs: list[PromptResult], null_runs: list[Endp
     tables = [("Corruption: flagged outputs beside their reference", ["batch", "prompt", "signatures", "output",
                                                                       "reference (base)"],
                [[r["batch"], r["id"], "; ".join(r["signatures"]), r["text"], r["reference"]] for r in flagged[:20]])]
-    return _check("corruption", not flagged, summary, figures,
+    return _check(not flagged, summary, figures,
                   {"per_batch": per_batch, "flagged": flagged[:50], "explained": explained[:50],
                    "null_flagged": null_flagged[:50], "tables": tables if flagged else []})
 
@@ -577,7 +594,7 @@ def _slices(run: EndpointRun, reference: EndpointRun | None,
                "interval": "95% t interval of the mean log ratio over the pairs",
                "predicted_from": "tokens per target pass: an upper bound (the server's step costs are not known)",
                "server_counters": level.spec.to_dict() if level.spec else None}
-    return _check("slices", True, summary, figures, {"slices": rows, "pooled": pooled}, informational=True)
+    return _check(True, summary, figures, {"slices": rows, "pooled": pooled}, informational=True)
 
 
 def _wave_pairs(lv: LevelRun, ref: LevelRun | None) -> list[tuple[float, float]]:
@@ -624,7 +641,7 @@ def _load(run: EndpointRun, reference: EndpointRun | None) -> CheckResult:
     counts = verdict_counts(points)
     if counts:
         summary += f"; of {len(points)} levels {counts}"
-    return _check("load", True, summary,
+    return _check(True, summary,
                   {"crossover_concurrency": below[0] if below else None,
                    "verdicts": {"short": {str(p["batch"]): p["verdict"] for p in points}},
                    "pairs": "one per wave: its wall time per completion token, endpoint and reference",

@@ -155,8 +155,14 @@ def _moved(old: list[dict], new: list[dict], key: str) -> dict:
             "p_drop": p_drop, "scale": "log ratio" if key == "log_speedup" else "difference"}
 
 
+def _equivalence(report: dict) -> dict | None:
+    """A report's equivalence result (None: it has none)."""
+    from ..registry import EQUIVALENCE  # the registry registers this module's gate: imported when the gate runs
+    return next((c for c in report["checks"] if c["name"] == EQUIVALENCE.name), None)
+
+
 def _equivalence_levels(report: dict) -> dict[int, dict]:
-    eq = next((c for c in report["checks"] if c["name"] == "equivalence"), None)
+    eq = _equivalence(report)
     if eq is None:
         return {}
     return {r["batch"]: r for r in eq["details"]["per_batch"]}
@@ -195,8 +201,8 @@ def compare_reports(old: dict, new: dict, alpha: float = ALPHA) -> dict:
                             f"(log speedup {s['change']:+.3f}, {LEVEL:.0%} interval {s['low']:+.3f}..{s['high']:+.3f}; "
                             f"one-sided p = {s['p_drop']:.2g} < {alpha / len(rows):.2g})")
     eo, en = _equivalence_levels(old), _equivalence_levels(new)
-    old_eq = next((c["passed"] for c in old["checks"] if c["name"] == "equivalence"), None)
-    new_eq = next((c["passed"] for c in new["checks"] if c["name"] == "equivalence"), None)
+    old_eq = (_equivalence(old) or {}).get("passed")
+    new_eq = (_equivalence(new) or {}).get("passed")
     if old_eq and new_eq is False:
         failures.append("equivalence passed before and fails now")
     eq_levels = []
@@ -228,6 +234,14 @@ def _fmt_change(m: dict) -> str:
     return f"{m['change']:+.3f}" + (f" [{m['low']:+.3f}, {m['high']:+.3f}]" if m["low"] is not None else "")
 
 
+def gate_check(a) -> CheckResult | None:
+    """--compare-to: the re-test gate, on the endpoint audit's report as the checks before it
+    left it (endpoint.checks.EndpointAudit); not applicable without an earlier report."""
+    if a.previous is None:
+        return None
+    return comparison_check(compare_reports(a.previous, a.report(0.0)))
+
+
 def comparison_check(cmp: dict) -> CheckResult:
     """The comparison as a check of the new report (fails the audit when the gate fails)."""
     changed = ", ".join(t["key"] for t in cmp["triggers_changed"]) or "none"
@@ -249,5 +263,5 @@ def comparison_check(cmp: dict) -> CheckResult:
                ["batch", "before", "now", "Fisher p (rose)"],
                [[e["batch"], f"{e['old_divergences']}/{e['old_prompts']}", f"{e['new_divergences']}/{e['new_prompts']}",
                  f"{e['fisher_p']:.3g}"] for e in cmp["equivalence"]])]
-    return CheckResult("compare", cmp["passed"], summary, {k: v for k, v in cmp.items() if k not in ("levels", "slices")},
+    return CheckResult(cmp["passed"], summary, {k: v for k, v in cmp.items() if k not in ("levels", "slices")},
                        {"levels": cmp["levels"], "slices": cmp["slices"], "tables": tables})

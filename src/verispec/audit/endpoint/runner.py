@@ -15,7 +15,7 @@ What can be checked from outside, with the client in client.py:
   counters for the pooled figures: counters.py) and throughput per load level, the
   endpoint and the reference timed side by side (client.run_paired);
 * the server's kind, version and settings as it reports them (kinds.py), in the record;
-* with an earlier report, the re-test gate (compare.py).
+* with an earlier report, the re-test gate (compare.py), a check of its own that runs last.
 
 Wiring into `verispec audit` (cli/audit.py): ``add_endpoint_arguments(a)`` in
 add_audit_parser, and at the top of cmd_audit
@@ -27,14 +27,15 @@ from __future__ import annotations
 import datetime
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from ..checks import ENDPOINT, checks_for, selectable
+from ..checks import ENDPOINT, checks_for, run_checks, selectable
 from .checks import MIN_VERIFIED_DRAFTS, EndpointAudit, EndpointError
 from .client import EndpointConfig
-from .compare import CompareError, comparison_check, compare_reports, load_report
-from .kinds import probe
+from .compare import CompareError, load_report
+from .kinds import ServerInfo, probe
 from .null import ALPHA as NULL_ALPHA
+from .rescore import supported as rescoring_supported
 from ..floor import FloorBudget
 
 
@@ -74,7 +75,8 @@ def _seconds(s: str) -> float:
 
 
 def add_endpoint_arguments(a) -> None:
-    """The endpoint options of `verispec audit` (with --suite, --out, --quick of the audit)."""
+    """The endpoint mode's options of `verispec audit` (cli/audit.py adds those common to both
+    modes: --suite, --out, --quick, --seed, --only, --fail-fast, --speed-repeats, ...)."""
     a.add_argument("--endpoint", default=None,
                    help="audit this OpenAI-compatible server (base URL) instead of a local engine")
     a.add_argument("--reference-endpoint", default=None,
@@ -102,43 +104,91 @@ def add_endpoint_arguments(a) -> None:
                         "after an answer and slows whichever request follows; 2 s suffices there; default 0)")
     a.add_argument("--null-repeats", type=_int_at_least(1), default=1,
                    help="run the null (reference vs itself) this many times, pooled (default 1)")
-    a.add_argument("--speed-repeats", type=_int_at_least(1), default=None, metavar="N",
-                   help="time each prompt N times plain and speculative side by side, for the slices' speedup "
-                        "intervals: from an endpoint against its reference at concurrency 1 (default 3; with "
-                        "--quick 2), offline at batch 1 (default 4; with --quick 3)")
 
 
 def _speed_repeats(args) -> int:
     """--speed-repeats, else the default of the audit's size: 2 with --quick, 3 without."""
-    n = getattr(args, "speed_repeats", None)
-    return n if n is not None else 2 if getattr(args, "quick", False) else 3
+    return args.speed_repeats if args.speed_repeats is not None else 2 if args.quick else 3
 
 
-def cmd_endpoint_audit(args) -> int:
+@dataclass(frozen=True)
+class EndpointAuditConfig:
+    """What an endpoint audit runs against and how, built once at the edge (the command
+    line: from_args; tests and benchmarks: directly).
+
+    url / reference_url: the endpoint and its non-speculative reference (None: a verispec
+    endpoint with speculation off, else the endpoint itself at concurrency 1); null_repeats:
+    how many times the null (reference vs itself) runs, pooled; sampled_tokens > 0: the
+    distribution check at temperature 1 over at least that many tokens (sampled.py), scored
+    as score_with says: "auto" by the endpoint's own logprobs and, for tokens sent without
+    any, by the reference (rescore.py: a llama.cpp endpoint and reference), "endpoint" its
+    own only, "reference" every token by the reference; min_verified_drafts: a speculative
+    server's sampled phase verifies at least this many drafts or that check is inconclusive;
+    only: the checks to run (checks.selectable("endpoint"); empty: all); seed: the sampled
+    phase's prompt order and the tie-breaks (no seed is sent: the server's draws stay
+    unseeded, as a deployment's are); speed_repeats: how many times each prompt is timed
+    against the reference at concurrency 1, for the slices' intervals; min_speedup: the
+    speedup floor's gate (None: informational), quick: its quick budget else the full one
+    (floor_budget: another), suite: the prompts its search starts from (None: the audited
+    ones), floor_settle_s: its pause before each timed request (vLLM's CPU worker keeps the
+    cores busy for a while after an answer); previous: an earlier endpoint audit's report,
+    the re-test gate's baseline; fail_fast: skip the remaining checks after a failure."""
+
+    url: str
+    reference_url: str | None = None
+    model: str | None = None
+    api_key: str | None = None
+    chat: bool = True
+    max_tokens: int = 64
+    concurrency: tuple[int, ...] = (1, 8)
+    suite_spec: str = "default"
+    suite_size: int | None = None
+    alpha: float = NULL_ALPHA
+    null_repeats: int = 1
+    sampled_tokens: int = 0
+    score_with: str = "auto"
+    only: tuple[str, ...] = ()
+    min_verified_drafts: int = MIN_VERIFIED_DRAFTS
+    seed: int = 0
+    speed_repeats: int = 3
+    min_speedup: float | None = None
+    quick: bool = True
+    suite: list | None = None
+    floor_budget: FloorBudget | None = None
+    floor_settle_s: float = 0.0
+    previous: dict | None = None
+    fail_fast: bool = False
+
+    def __post_init__(self):
+        if self.null_repeats < 1:
+            raise ValueError(f"null_repeats must be >= 1, got {self.null_repeats}")
+        if self.speed_repeats < 1:
+            raise ValueError(f"speed_repeats must be >= 1, got {self.speed_repeats}")
+
+    @classmethod
+    def from_args(cls, args, suite: list, previous: dict | None) -> "EndpointAuditConfig":
+        return cls(args.endpoint, reference_url=args.reference_endpoint, model=args.endpoint_model,
+                   api_key=args.endpoint_api_key, chat=not args.endpoint_raw, max_tokens=args.endpoint_max_tokens,
+                   concurrency=args.concurrency, suite_spec=args.suite, suite_size=len(suite),
+                   null_repeats=args.null_repeats, sampled_tokens=args.sampled_tokens, score_with=args.score_with,
+                   only=tuple(args.only or ()), min_verified_drafts=args.min_verified_drafts, seed=args.seed,
+                   speed_repeats=_speed_repeats(args), min_speedup=args.min_speedup, quick=args.quick,
+                   suite=suite, floor_settle_s=args.floor_settle, previous=previous, fail_fast=args.fail_fast)
+
+
+def cmd_endpoint_audit(args, progress=None) -> int:
     from ..context import select_prompts
     from ..report import write_reports
     from ..suite import load_suite
 
     suite = load_suite(args.suite)
-    seed = getattr(args, "seed", 0)
-    prompts = select_prompts(suite, 2 if getattr(args, "quick", False) else None, seed)
+    prompts = select_prompts(suite, 2 if args.quick else None, args.seed)
     try:
         previous = load_report(args.compare_to) if args.compare_to else None
+        report = run_endpoint_audit(EndpointAuditConfig.from_args(args, suite, previous), prompts, progress=progress)
     except CompareError as e:
         print(f"verispec audit --endpoint: {e}", file=sys.stderr)
         return 2
-    try:
-        report = run_endpoint_audit(args.endpoint, prompts, reference_url=args.reference_endpoint,
-                                    model=args.endpoint_model, api_key=args.endpoint_api_key,
-                                    chat=not args.endpoint_raw, max_tokens=args.endpoint_max_tokens,
-                                    concurrency=args.concurrency, suite_spec=args.suite, suite_size=len(suite),
-                                    null_repeats=args.null_repeats, sampled_tokens=args.sampled_tokens,
-                                    previous=previous, score_with=args.score_with, only=tuple(getattr(args, "only", None) or ()),
-                                    min_verified_drafts=getattr(args, "min_verified_drafts", MIN_VERIFIED_DRAFTS),
-                                    seed=seed, speed_repeats=_speed_repeats(args),
-                                    min_speedup=getattr(args, "min_speedup", None),
-                                    quick=bool(getattr(args, "quick", False)), suite=suite,
-                                    floor_settle_s=args.floor_settle)
     except EndpointError as e:
         print(f"verispec audit --endpoint: cannot audit: {e}", file=sys.stderr)
         return 2
@@ -147,107 +197,93 @@ def cmd_endpoint_audit(args) -> int:
           + (f" (failed: {', '.join(report['failed_checks'])})" if report["failed_checks"] else "")
           + f" in {report['elapsed_s']:.0f} s", file=sys.stderr)
     for c in report["checks"]:
-        print(f"  {c['name']:<20} {'info' if c['informational'] else ('pass' if c['passed'] else 'FAIL'):<5} "
-              f"{c['summary']}", file=sys.stderr)
+        print(f"  {c['name']:<20} {c['status'] if c['status'] != 'fail' else 'FAIL':<5} {c['summary']}",
+              file=sys.stderr)
     print(f"reports: {paths['json']}, {paths['md']}, {paths['html']}", file=sys.stderr)
     return 0 if report["verdict"] == "pass" else 1
 
 
-def run_endpoint_audit(url: str, prompts: list, *, reference_url: str | None = None, model: str | None = None,
-                       api_key: str | None = None, chat: bool = True, max_tokens: int = 64,
-                       concurrency: tuple[int, ...] = (1, 8), suite_spec: str = "default",
-                       suite_size: int | None = None, alpha: float = NULL_ALPHA, null_repeats: int = 1,
-                       sampled_tokens: int = 0, previous: dict | None = None, score_with: str = "auto",
-                       only: tuple[str, ...] = (), min_verified_drafts: int = MIN_VERIFIED_DRAFTS,
-                       seed: int = 0, speed_repeats: int = 3, min_speedup: float | None = None,
-                       quick: bool = True, suite: list | None = None, floor_budget: FloorBudget | None = None,
-                       floor_settle_s: float = 0.0) -> dict:
-    """Run the endpoint, its reference and the reference's null runs over the prompts; the
-    report as a dict in the offline audit's format (audit.report.write_reports renders it).
+def run_endpoint_audit(config: EndpointAuditConfig, prompts: list, *, progress=None) -> dict:
+    """Audit the endpoint over the prompts: the report as a dict in the offline audit's
+    format (audit.report.write_reports renders it).
 
     Runs, in order: the base (reference at concurrency 1), then the endpoint and the
     reference at every level side by side (client.run_paired: alternating waves, so each
     prompt's speedup is a ratio of two answers timed moments apart; the reference's half
-    is the null and the plain speed), then the reference alone for further null repeats.
-    Without a reference, the endpoint itself is base and null (at concurrency 1 only).
-    null_repeats: how many times the null runs (pooled). sampled_tokens > 0: the distribution check at
-    temperature 1 over at least that many tokens (sampled.py), scored as score_with says:
-    "auto" by the endpoint's own logprobs and, for the tokens it sends none for, by the
-    reference (rescore.py: a llama.cpp endpoint and reference; else the endpoint's own
-    only), "endpoint" its own only, "reference" every token by the reference (an
-    EndpointError where that cannot run). previous: an earlier endpoint audit's report,
-    compared with this one as a gate (compare.py). only: the checks to run (checks.selectable("endpoint");
-    empty: all); the greedy runs are made only for the checks that read them.
-    min_verified_drafts: a speculative server's sampled phase verifies at least this many
-    draft tokens (its counters' difference over the phase) or the check is inconclusive.
-    seed: the sampled phase's prompt order and the distribution check's tie-breaks (the
-    prompts themselves are chosen by the caller: context.select_prompts); no seed is sent to
-    the server, whose own draws stay unseeded as a deployment's are. speed_repeats: how many
-    times each prompt is timed against the reference at concurrency 1 (the paired run's
-    level 1 and further paired runs), for the slices' speedup intervals. min_speedup: the
-    speedup-floor check's gate (None: informational); quick: its quick budget, else the full
-    one (floor_budget: another); suite: the prompts its search starts from (None: `prompts`);
-    floor_settle_s: its pause before each timed request, for servers that keep the cores busy
-    for a while after a request (vLLM's CPU worker)."""
-    if null_repeats < 1:
-        raise ValueError(f"null_repeats must be >= 1, got {null_repeats}")
-    if speed_repeats < 1:
-        raise ValueError(f"speed_repeats must be >= 1, got {speed_repeats}")
+    is the null and the plain speed), then the reference alone for further null repeats;
+    without a reference, the endpoint itself is base and null (at concurrency 1 only). The
+    greedy runs are made only when a check that reads them runs. Then every check of the
+    registry (checks.run_checks, the offline audit's loop), the re-test gate last."""
+    checks = _chosen_checks(config)
+    greedy = any(ENDPOINT in c.greedy for c in checks)  # the base, endpoint and null runs: only for checks that read them
+    t0 = time.perf_counter()
+    a = _audit_state(config, prompts, greedy)
+    if greedy:
+        try:
+            a.greedy_runs(config.null_repeats)
+        except EndpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the checks that read the runs report it; the others still run
+            a.greedy_error = f"{type(e).__name__}: {e}"
+    run_checks(ENDPOINT, a, only=config.only, fail_fast=config.fail_fast, progress=progress)
+    return a.report(time.perf_counter() - t0)
+
+
+def _chosen_checks(config: EndpointAuditConfig) -> list:
+    """The checks --only asks for (and those that always run), after the checks that no
+    request can be made for are refused."""
     names = selectable(ENDPOINT)
-    unknown = set(only) - set(names)
+    unknown = set(config.only) - set(names)
     if unknown:
         raise EndpointError(f"--only {','.join(sorted(unknown))}: not a check of the endpoint audit "
                             f"(from outside: {', '.join(names)})")
-    wanted = set(only or names)
+    wanted = set(config.only or names)
     checks = [c for c in checks_for(ENDPOINT) if c.always or c.name in wanted]
-    greedy = any(ENDPOINT in c.greedy for c in checks)  # the base, endpoint and null runs: only for checks that read them
-    sampled_tokens = sampled_tokens if "distribution" in wanted else 0
-    t0 = time.perf_counter()
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    info = probe(EndpointConfig(url).base, api_key)
-    cfg = EndpointConfig(url, model=model, api_key=api_key, chat=chat, max_tokens=max_tokens,
-                         concurrency=concurrency, logprobs=True)
-    ref_info = None
-    if reference_url:
-        ref_cfg = replace(cfg, url=reference_url, extra_body=None)
-        ref_info = probe(ref_cfg.base, api_key)
-        reference_kind = f"reference endpoint {ref_cfg.base} ({ref_info.kind})"
-    elif info.kind == "verispec":
-        ref_cfg = replace(cfg, extra_body={"verispec": {"speculate": False}})
-        reference_kind = "the same verispec server with speculation off"
-    else:
-        ref_cfg = None
-        reference_kind = ("none: the endpoint's own answers at concurrency 1 (load invariance only; "
-                          "speculation cannot be separated from batching numerics)")
-    if not greedy and not sampled_tokens and not (wanted - {"distribution"}):
+    if not any(c.greedy for c in checks) and not _sampled_tokens(config) and \
+            not any(c.runner(ENDPOINT) is not None and not c.always and not c.samples for c in checks):
         raise EndpointError("--only distribution with --sampled-tokens 0: nothing to run")
-    a = EndpointAudit(info=info, ref_info=ref_info, cfg=cfg, ref_cfg=ref_cfg, reference_kind=reference_kind,
-                      prompts=prompts, chat=chat, max_tokens=max_tokens, concurrency=concurrency,
-                      suite_spec=suite_spec, suite_size=suite_size, started=started, alpha=alpha,
-                      sampled_tokens=sampled_tokens, score_with=score_with,
-                      min_verified_drafts=min_verified_drafts, seed=seed, speed_repeats=speed_repeats,
-                      min_speedup=min_speedup,
-                      floor_budget=floor_budget or (FloorBudget.quick() if quick else FloorBudget.full()),
-                      suite=suite, floor_settle_s=floor_settle_s)
-    if greedy:
-        a.greedy_runs(null_repeats)
-    for check in checks:
-        result = check.endpoint(a)
-        if result is not None:
-            a.results.append(result)
-    failed = [c.name for c in a.results if not c.passed]
-    samples = [{"slice": p.slice, "prompt": p.prompt, "reference": r.text or "", "speculative": g.text or ""}
-               for p, r, g in list(zip(prompts, a.base_results, a.run.levels[-1].results if a.run else []))[:6]]
-    report = {"verdict": "fail" if failed else "pass", "failed_checks": failed,
-              "elapsed_s": round(time.perf_counter() - t0, 1), "checks": [c.to_dict() for c in a.results],
-              "record": a.record, "samples": samples, "only": list(only),
-              "endpoint_runs": {"endpoint": a.run.to_dict(), "base": a.base.to_dict(),
-                                "reference": a.null_run.to_dict()}
-              if greedy else {"sampled": a.srun.to_dict() if sampled_tokens else None}}
-    if previous is not None:  # --compare-to: the gate against an earlier audit
-        report["checks"].append(comparison_check(compare_reports(previous, report)).to_dict())
-        report["failed_checks"] = [c["name"] for c in report["checks"] if not c["passed"]]
-        report["verdict"] = "fail" if report["failed_checks"] else "pass"
-    return report
+    return checks
 
 
+def _sampled_tokens(config: EndpointAuditConfig) -> int:
+    """The distribution check's sample size: 0 where --only leaves out the checks that sample."""
+    sampling = {c.name for c in checks_for(ENDPOINT) if c.samples}
+    return config.sampled_tokens if not config.only or sampling & set(config.only) else 0
+
+
+def _audit_state(config: EndpointAuditConfig, prompts: list, greedy: bool) -> EndpointAudit:
+    """The servers probed, the reference chosen, and the state every check reads."""
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    info = probe(EndpointConfig(config.url).base, config.api_key)
+    cfg = EndpointConfig(config.url, model=config.model, api_key=config.api_key, chat=config.chat,
+                         max_tokens=config.max_tokens, concurrency=config.concurrency, logprobs=True)
+    ref_cfg, ref_info, reference_kind = _reference(config, cfg, info)
+    sampled_tokens = _sampled_tokens(config)
+    why_not = rescoring_supported(info.kind, ref_info.kind if ref_info else None)
+    if sampled_tokens and config.score_with == "reference" and why_not:
+        raise EndpointError(f"--score-with reference: {why_not}")
+    return EndpointAudit(info=info, ref_info=ref_info, cfg=cfg, ref_cfg=ref_cfg, reference_kind=reference_kind,
+                         prompts=prompts, chat=config.chat, max_tokens=config.max_tokens,
+                         concurrency=config.concurrency, suite_spec=config.suite_spec, suite_size=config.suite_size,
+                         started=started, alpha=config.alpha, sampled_tokens=sampled_tokens,
+                         score_with=config.score_with, min_verified_drafts=config.min_verified_drafts,
+                         seed=config.seed, speed_repeats=config.speed_repeats, min_speedup=config.min_speedup,
+                         floor_budget=config.floor_budget or (FloorBudget.quick() if config.quick
+                                                              else FloorBudget.full()),
+                         suite=config.suite, floor_settle_s=config.floor_settle_s, previous=config.previous,
+                         only=config.only, greedy=greedy)
+
+
+def _reference(config: EndpointAuditConfig, cfg: EndpointConfig,
+               info: ServerInfo) -> tuple[EndpointConfig | None, ServerInfo | None, str]:
+    """The non-speculative reference: (its client settings, what it reports of itself, how
+    the report names it)."""
+    if config.reference_url:
+        ref_cfg = replace(cfg, url=config.reference_url, extra_body=None)
+        ref_info = probe(ref_cfg.base, config.api_key)
+        return ref_cfg, ref_info, f"reference endpoint {ref_cfg.base} ({ref_info.kind})"
+    if info.kind == "verispec":
+        return (replace(cfg, extra_body={"verispec": {"speculate": False}}), None,
+                "the same verispec server with speculation off")
+    return None, None, ("none: the endpoint's own answers at concurrency 1 (load invariance only; "
+                        "speculation cannot be separated from batching numerics)")

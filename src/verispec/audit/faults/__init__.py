@@ -29,8 +29,9 @@ from ...engine.hooks import StepHooks
 from ...models import with_positions
 from ...sampling import keyed_gumbel, logits_to_probs
 from ...verify import rules
-from .catalogue import EXPECTED_CHECK, FAULTS, register  # noqa: F401 - the catalogue, re-exported
+from .catalogue import EXPECTED_CHECK, FAULTS, expect, register  # noqa: F401 - the catalogue, re-exported
 from .catalogue import PARTS as _PARTS
+from ..registry import DISTRIBUTION, DRAFTER_CONSISTENCY, EQUIVALENCE, SEEDED, STOPPING
 
 FAULTS.update({
     "rollback-off-by-one": "KV rollback keeps one token too few after each step",
@@ -59,25 +60,26 @@ FAULTS.update({
 })
 
 # the audit check that is meant to catch each fault (others may fail too)
-EXPECTED_CHECK.update({
-    "rollback-off-by-one": "equivalence",
-    "positions-not-realigned": "equivalence",
-    "residual-not-normalised": "distribution",  # only visible when sampling (temperature > 0)
-    "draft-no-catchup": "drafter-consistency",  # output stays exact; only the proposals go stale
-    "row-leak": "equivalence",
-    "relaxed-acceptance": "distribution",
-    "recovered-from-p": "distribution",
-    "bonus-previous-position": "distribution",
-    "keyed-noise-misaligned": "seeded",  # same seed, same bytes: only the seeded check sees it
-    "stop-only-at-run-end": "stopping",
-    "verify-untempered": "distribution",  # only at temperatures other than 1 or with top-k/top-p
-    "length-off-by-one": "stopping",
-    "draft-q-untempered": "distribution",
+for _fault, _check in {
+    "rollback-off-by-one": EQUIVALENCE,
+    "positions-not-realigned": EQUIVALENCE,
+    "residual-not-normalised": DISTRIBUTION,  # only visible when sampling (temperature > 0)
+    "draft-no-catchup": DRAFTER_CONSISTENCY,  # output stays exact; only the proposals go stale
+    "row-leak": EQUIVALENCE,
+    "relaxed-acceptance": DISTRIBUTION,
+    "recovered-from-p": DISTRIBUTION,
+    "bonus-previous-position": DISTRIBUTION,
+    "keyed-noise-misaligned": SEEDED,  # same seed, same bytes: only the seeded check sees it
+    "stop-only-at-run-end": STOPPING,
+    "verify-untempered": DISTRIBUTION,  # only at temperatures other than 1 or with top-k/top-p
+    "length-off-by-one": STOPPING,
+    "draft-q-untempered": DISTRIBUTION,
     # drafters that draw from one distribution and report another: the drafts' own PIT
     # under the reported q (prompt lookup draws nothing: nothing to break)
-    "draft-drawn-top-p": "distribution",
-    "draft-drawn-sharper": "distribution",
-})
+    "draft-drawn-top-p": DISTRIBUTION,
+    "draft-drawn-sharper": DISTRIBUTION,
+}.items():
+    expect(_fault, _check)
 
 
 def argument(s: str) -> str:
@@ -129,7 +131,7 @@ class Fault:
         which must be this engine's own, takes the fault's drafter hooks; the target and
         the model a drafter drafts with are replaced by views with the fault's positions
         (the models passed in are not changed)."""
-        if self.backend is not None and getattr(target, "backend_fault", None) != self.name:
+        if self.backend is not None and target.backend_fault != self.name:
             target = self.backend(target)  # a server's one engine; the audit passes the view in
         if self.positions is not None:
             target = self._model(target)

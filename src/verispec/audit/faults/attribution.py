@@ -14,6 +14,7 @@ import torch
 
 from ...engine.hooks import StepHooks
 from .catalogue import register
+from ..registry import DISTRIBUTION
 
 Q_FLOOR = 0.05
 
@@ -36,8 +37,8 @@ class _QOneDraftLate(StepHooks):
 register("verify-q-floored",
          f"the verify pass floors the drafter's q at {Q_FLOOR:g} (renormalised) before the rule reads it: "
          "drafts of small q are kept too seldom and the residual is wrong; only drafters with a q run it",
-         "distribution", lambda c: {"step": _QFloored()})
+         DISTRIBUTION, lambda c: {"step": _QFloored()})
 register("verify-q-one-draft-late",
          "the verify pass reads each draft against the next draft's q (the last against its own): an "
          "off-by-one in the q the rule reads; only drafters with a q run it",
-         "distribution", lambda c: {"step": _QOneDraftLate()})
+         DISTRIBUTION, lambda c: {"step": _QOneDraftLate()})

@@ -16,6 +16,7 @@ import torch
 from ...drafters.base import DrafterHooks
 from ...engine.hooks import StepHooks
 from .catalogue import register
+from ..registry import DRAFTER_CONSISTENCY, EQUIVALENCE
 
 
 class _RowsClearedLazily(DrafterHooks):
@@ -68,11 +69,11 @@ register("draft-row-cleared-lazily",
          "(prompt lookup matches in it, layer-skip drafts from its last token, a draft model feeds "
          "it). Only under row churn: a batch that arrives at once refills a freed row at the next "
          "step or never",
-         "drafter-consistency", lambda c: {"drafter": _RowsClearedLazily()})
+         DRAFTER_CONSISTENCY, lambda c: {"drafter": _RowsClearedLazily()})
 register("rejoined-row-stale-input",
          "the verify input is a per-row buffer updated by diffing each step's batch against the "
          "previous one: a row that was empty in the previous step reads as unchanged, so a request "
          "admitted into a row that sat free is verified from its previous occupant's last pending "
          "token. Only under row churn: a batch that arrives at once refills a freed row at the next "
          "step or never",
-         "equivalence", lambda c: {"step": _RejoinedRowUnchanged()})
+         EQUIVALENCE, lambda c: {"step": _RejoinedRowUnchanged()})

@@ -17,6 +17,7 @@ import torch
 from ...engine.hooks import StepHooks
 from ...sampling import logits_to_probs
 from .catalogue import register
+from ..registry import DISTRIBUTION
 
 
 def _verifies_drafts(logits: torch.Tensor, params) -> bool:
@@ -47,7 +48,7 @@ class _MinPOffAtDrafts(StepHooks):
 register("verify-filters-before-temperature",
          "a verify pass over drafts applies top-k, top-p and min-p to the untempered logits, then "
          "the temperature (plain decoding: the temperature first)",
-         "distribution", lambda c: {"step": _FiltersBeforeTemperature()})
+         DISTRIBUTION, lambda c: {"step": _FiltersBeforeTemperature()})
 register("verify-min-p-dropped-at-drafts",
          "a verify pass over drafts drops min-p at the drafts' positions (its last position keeps it)",
-         "distribution", lambda c: {"step": _MinPOffAtDrafts()})
+         DISTRIBUTION, lambda c: {"step": _MinPOffAtDrafts()})

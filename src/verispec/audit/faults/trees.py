@@ -10,6 +10,7 @@ from __future__ import annotations
 from ...engine.hooks import StepHooks
 from ...verify.tree import TreeWalk, child_slots, layout
 from .catalogue import register
+from ..registry import EQUIVALENCE
 
 
 def _earlier_siblings(parents: list[int]) -> dict[int, list[int]]:
@@ -71,8 +72,8 @@ class _CompareWrongNode(StepHooks):
 
 
 register("tree-sibling-leak", "inside a draft tree a node attends to its earlier siblings' keys and values",
-         "equivalence", lambda c: {"step": _SiblingLeak()})
+         EQUIVALENCE, lambda c: {"step": _SiblingLeak()})
 register("tree-position-off-by-one", "inside a draft tree a node after its parent's first child sits one "
-         "position further, and its subtree with it", "equivalence", lambda c: {"step": _PositionOffByOne()})
+         "position further, and its subtree with it", EQUIVALENCE, lambda c: {"step": _PositionOffByOne()})
 register("tree-compare-wrong-node", "a draft tree's walk emits the drawn token but goes on from the first "
-         "child, whichever child the token matched", "equivalence", lambda c: {"step": _CompareWrongNode()})
+         "child, whichever child the token matched", EQUIVALENCE, lambda c: {"step": _CompareWrongNode()})
