@@ -17,6 +17,7 @@ from verispec.engine import Engine, EngineConfig, GenerationParams, Request
 from verispec.policy import FixedK
 from verispec.sampling import SamplingParams
 from verispec.server import ServerConfig, ServerState, create_app
+from verispec.server.worker import PerRequestPolicy
 
 V = 97
 MODEL = "tiny"
@@ -112,7 +113,8 @@ def make_state(drafter: str | None = "draft", k: int = 3, max_batch: int = 8, ma
         pol = AdaptivePolicy(costs, max_k=k)
     else:
         pol = FixedK(k if d is not None else 0)
-    engine = Engine(target, d, pol,
+    # served: rows whose request says "speculate": false draft nothing
+    engine = Engine(target, d, PerRequestPolicy(pol),
                     EngineConfig(max_batch=max_batch, max_len=max_len, rule=rule))
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     return ServerState(engine, CharTokenizer(), ServerConfig(model_name=MODEL, api_key=keys[0] if keys else None,

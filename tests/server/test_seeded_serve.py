@@ -18,6 +18,7 @@ from verispec.policy import FixedK
 from verispec.policy.adaptive import AdaptivePolicy, CostModel
 from verispec.sampling import SamplingParams
 from verispec.server import ServerConfig, ServerState
+from verispec.server.worker import PerRequestPolicy
 
 TOK = CharTokenizer()
 PROMPTS = [f"{w} {i}: " + " ".join([w] * (1 + i % 4)) for i, w in
@@ -40,7 +41,7 @@ def _state(kind, policy, batch, k=3):
         halts = kind in ("draft", "layerskip")
         pol = AdaptivePolicy(CostModel.from_total_tokens((1, 64, 1024), (1.0, 1.0, 3.0), (1, 64), (0.05, 0.08),
                                                          halts=halts, draft_free=kind == "lookup"), max_k=k)
-    engine = Engine(target, d, pol, EngineConfig(max_batch=batch, max_len=256))
+    engine = Engine(target, d, PerRequestPolicy(pol), EngineConfig(max_batch=batch, max_len=256))
     return ServerState(engine, TOK, ServerConfig(model_name=MODEL, max_queue=64, drafter=None if d is None else kind))
 
 

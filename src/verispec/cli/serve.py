@@ -134,7 +134,9 @@ def build_state(args, api_key: str | list[str] | None = None, fault=None):
     target, tok = loaded.model, loaded.tokenizer
     set_threads(args.threads, target)  # before the adaptive policy times its costs
     max_len = min(args.max_len, target.config.max_position_embeddings)
-    # the cost model is measured once per machine and configuration, then read from the cache
+    # the cost model is measured once per machine and configuration, then read from the cache;
+    # the policy is wrapped before the engine is built: rows whose request says
+    # "speculate": false draft k = 0
     engine = build_engine(target, tok, args, max_batch=args.max_batch, max_len=max_len, wrap=PerRequestPolicy,
                           fault=fault)
     drafter = engine.drafter
@@ -167,7 +169,7 @@ def cmd_serve(args) -> int:
     if key_source == "--api-key":
         print("note: --api-key is visible to other users in the process list; --api-key-file or "
               f"${ENV_API_KEY} keep it out of argv", file=sys.stderr)
-    fault = getattr(args, "inject_fault", None)
+    fault = args.inject_fault
     if fault:
         from ..audit.faults import build
         print(f"TEST ONLY: injecting fault {fault!r}", file=sys.stderr)

@@ -11,6 +11,7 @@ or, after `drain_timeout_s`, fail with 503 "server shutting down"; then it exits
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -24,7 +25,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -49,7 +50,7 @@ from .protocol import (
     stop_list,
     top_k_of,
 )
-from .worker import EngineWorker, PerRequestPolicy, RequestHandle, ServerRequest
+from .worker import EngineWorker, RequestHandle, ServerRequest
 
 log = logging.getLogger("verispec.server")
 
@@ -93,12 +94,13 @@ class ServerConfig:
 
 class ServerState:
     """Everything a running server holds: the engine (owned by its worker thread), the
-    tokenizer, configuration and metrics."""
+    tokenizer, configuration and metrics.
+
+    The engine runs a PerRequestPolicy (worker.py) around the policy chosen, so that rows
+    whose request says "speculate": false draft k = 0: whoever builds the engine wraps its
+    policy before building it (cli/serve.py's build_state; tests' make_state)."""
 
     def __init__(self, engine, tokenizer, config: ServerConfig):
-        if not isinstance(engine.policy, PerRequestPolicy):
-            # rows whose request says "speculate": false get k = 0; same max_k, same cache slack
-            engine.policy = PerRequestPolicy(engine.policy)
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
@@ -405,258 +407,331 @@ def _sse(obj) -> str:
 # -- the app -------------------------------------------------------------------------
 
 def create_app(state: ServerState | Callable[[], ServerState]) -> FastAPI:
+    """The app serving `state` (or the ServerState that calling `state` makes). Its routes
+    are `router`'s: module-level handlers that find the state at `request.app.state.verispec`."""
     if not isinstance(state, ServerState):
         state = state()
-
-    @asynccontextmanager
-    async def lifespan(app):
-        state.start()
-        try:
-            yield
-        finally:
-            state.close()
-
-    app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="verispec", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.verispec = state
-
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(request, e: OpenAIError):
-        return _error_response(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return _error_response(OpenAIError(e.status_code, str(e.detail), code=code))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, e: RequestValidationError):
-        return _error_response(OpenAIError(400, str(e), code="invalid_value"))
-
-    @app.exception_handler(Exception)
-    async def _server_error(request, e: Exception):
-        log.exception("unhandled error")
-        return _error_response(OpenAIError(500, "internal server error", type="server_error"))
-
+    _add_error_handlers(app)
     app.add_middleware(_CountResponses, metrics=state.metrics)
-
-    @app.get("/health")
-    async def health():
-        if state.draining:
-            return JSONResponse({"status": "draining", "reason": "the server is shutting down"},
-                                status_code=503)
-        if not state.worker.alive:
-            return JSONResponse({"status": "error", "reason": "the engine thread is not running"},
-                                status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics(request: Request):
-        if not state.config.metrics_public:
-            state.authorize(request)
-        return PlainTextResponse(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        state.authorize(request)
-        return {"object": "list", "data": [{
-            "id": state.config.model_name, "object": "model", "created": state.created, "owned_by": "verispec",
-            "max_model_len": state.max_len,
-            "verispec": {"version": __version__, "drafter": state.metrics.info["drafter"], "k": state.k,
-                         "policy": state.policy, "rule": state.rule, "lossy": state.lossy}}]}
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        """A text's token ids under the served model's tokenizer, as llama.cpp's and vLLM's
-        /tokenize give them (the audit tokenizes outputs with the reference's own
-        tokenizer): {"content" or "prompt": text, "add_special" / "add_special_tokens":
-        bool, default false} -> {"tokens": [...], "count": n}; or, as vLLM's, {"messages":
-        [...]} -> the ids of the chat template with the generation prompt, as a chat request
-        would be prefilled."""
-        state.authorize(request)
-        body = await read_json(request, state.config.max_body_bytes)
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "the body must be a JSON object", code="invalid_value")
-        if "messages" in body:
-            chat = parse(ChatRequest, {"messages": body["messages"]})
-            ids = await state.chat_ids(chat)
-            return {"tokens": ids, "count": len(ids)}
-        text = body.get("content", body.get("prompt"))
-        if not isinstance(text, str):
-            raise OpenAIError(400, "'content' (or 'prompt') must be a string", param="content",
-                              code="invalid_value")
-        special = body.get("add_special", body.get("add_special_tokens", False))
-        if not isinstance(special, bool):
-            raise OpenAIError(400, "'add_special' must be a boolean", param="add_special", code="invalid_value")
-        state._check_text(text, "content", None)
-        ids = list(await state._in_pool(lambda: state.tokenizer(text, add_special_tokens=special)["input_ids"]))
-        return {"tokens": ids, "count": len(ids)}
-
-    async def _tracked(request: Request, handler):
-        """Generation requests: refused while draining, else counted in flight until
-        their answer is complete (a stream: until it closes)."""
-        try:
-            request.state.verispec_scope = state.authorize(request)
-            state.check_open()
-        except OpenAIError:
-            await _discard_body(request, state.config.max_body_bytes)
-            raise
-        state.in_flight += 1
-        try:
-            response = await handler(request)
-        except BaseException:
-            state.in_flight -= 1
-            raise
-        if isinstance(response, _SSE):
-            response.on_close.append(_request_done)
-        else:
-            state.in_flight -= 1
-        return response
-
-    def _request_done() -> None:
-        state.in_flight -= 1
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _tracked(request, _completions)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await _tracked(request, _chat_completions)
-
-    async def _completions(request: Request):
-        req = parse(CompletionRequest, await read_json(request, state.config.max_body_bytes))
-        check_completion(req)
-        state.check_model(req.model)
-        ids = await state.prompt_ids(req.prompt)
-        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-        return await _generate(request, req, ids, max_tokens, chat=False)
-
-    async def _chat_completions(request: Request):
-        req = parse(ChatRequest, await read_json(request, state.config.max_body_bytes))
-        check_chat(req)
-        state.check_model(req.model)
-        ids = await state.chat_ids(req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
-            max_tokens = max(1, state.max_len - len(ids))
-        return await _generate(request, req, ids, max_tokens, chat=True)
-
-    async def _generate(request: Request, req, ids: list[int], max_tokens: int, chat: bool):
-        param = "messages" if chat else "prompt"
-        if len(ids) + max_tokens > state.max_len:
-            raise state.context_error(len(ids), max_tokens, "max_tokens" if len(ids) < state.max_len else param)
-        temperature = 1.0 if req.temperature is None else req.temperature
-        spec = resolve_speculation(state.rule, state.engine.drafter is not None, temperature, req.verispec,
-                                   seed=req.seed)
-        seed = req.seed
-        if seed is None and temperature > 0 and state.rule == "coupled":
-            # a coupled engine keys every sampled row on a seed: give it one from OS entropy
-            # here, so that the rule resolved above (coupled, or rejection if asked) is the
-            # one the engine runs
-            seed = secrets.randbits(63)
-        try:
-            sampling = SamplingParams(temperature=temperature, top_k=top_k_of(req, state.vocab_size),
-                                      top_p=1.0 if req.top_p is None else req.top_p,
-                                      min_p=0.0 if req.min_p is None else req.min_p,
-                                      seed=seed, coupled=spec.keyed)
-            params = GenerationParams(max_new_tokens=max_tokens, sampling=sampling,
-                                      stop_token_ids=() if req.ignore_eos else state.stop_token_ids,
-                                      ignore_eos=bool(req.ignore_eos))
-        except ValueError as e:  # whatever the engine's own checks refuse is the client's error
-            raise OpenAIError(400, f"invalid sampling parameters: {e}", code="invalid_value") from None
-        handle = RequestHandle(ServerRequest(ids, params, speculate=spec.speculate,
-                                             scope=getattr(request.state, "verispec_scope", None)), state.tokenizer,
-                               stop_list(req.stop), asyncio.get_running_loop(), rule=spec.rule)
-        if state.drain_expired:
-            raise OpenAIError(503, "server shutting down: not accepting new requests", type="server_error",
-                              code="server_shutting_down", headers={"Connection": "close"})
-        if not state.worker.alive:
-            raise OpenAIError(503, "the engine thread is not running", type="server_error", code="engine_down")
-        if not state.worker.try_submit(handle):
-            raise OpenAIError(429, f"the server is at capacity ({state.engine.config.max_batch} running, "
-                                   f"{state.config.max_queue} queued); retry later",
-                              type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        headers = {"x-verispec-lossy": "true"} if spec.lossy else {}
-        meta = {"id": rid, "created": int(time.time()), "model": state.config.model_name}
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSE(_stream(handle, meta, spec, chat, ids, include_usage, logprobs_wanted(req, chat)),
-                        handle.cancel, headers)
-        try:
-            waiter = asyncio.ensure_future(handle.wait())
-            watcher = asyncio.ensure_future(_until_disconnect(request))
-            try:
-                await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waiter.cancel()
-                watcher.cancel()
-            if handle.finish_reason is None or handle.finish_reason == "cancelled":
-                return Response(status_code=499)  # the client is gone; nobody reads this
-        finally:
-            handle.cancel()  # a no-op when the engine already let go of the request
-        if handle.finish_reason == "error":
-            status, message, code = handle.error
-            raise OpenAIError(status, message, type="server_error" if status >= 500 else "invalid_request_error",
-                              code=code)
-        usage = {"prompt_tokens": len(ids), "completion_tokens": handle.completion_tokens,
-                 "total_tokens": len(ids) + handle.completion_tokens}
-        top = logprobs_wanted(req, chat)
-        lps = _logprobs_object(await state.score(ids, handle.token_ids, top), chat) if top is not None else None
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": handle.text},
-                      "logprobs": lps, "finish_reason": handle.finish_reason}
-        else:
-            choice = {"index": 0, "text": handle.text, "logprobs": lps, "finish_reason": handle.finish_reason}
-            if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = [None] + [_prompt_logprob(e) for e in await state.score(
-                    ids[:1], ids[1:], req.prompt_logprobs)]
-        body = {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": usage, "verispec": _verispec_info(spec, handle)}
-        return JSONResponse(body, headers=headers)
-
-    def _verispec_info(spec: Speculation, handle: RequestHandle) -> dict:
-        return {"speculate": spec.speculate, "rule": spec.rule, "lossy": spec.lossy,
-                "drafter": state.metrics.info["drafter"] if spec.speculate else None,
-                "k": state.k if spec.speculate else 0, **handle.stats.to_dict()}
-
-    async def _stream(handle: RequestHandle, meta: dict, spec: Speculation, chat: bool, prompt_ids: list[int],
-                      include_usage: bool, top: int | None):
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        n_prompt = len(prompt_ids)
-
-        def chunk(text: str | None, finish: str | None, first: bool = False, logprobs=None, **extra) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-            return _sse({**meta, "object": obj, "choices": [choice], **extra})
-
-        if chat:
-            yield chunk(None, None, first=True)
-        while True:
-            kind, value = await handle.events.get()
-            if kind == "text":
-                yield chunk(value, None)
-                continue
-            if value == "error":
-                status, message, code = handle.error
-                yield _sse(OpenAIError(status, message, type="server_error" if status >= 500 else
-                                       "invalid_request_error", code=code).body())
-            elif value != "cancelled":
-                if top is not None:  # scored once the answer is complete: one chunk, every token
-                    yield chunk(None, None, logprobs=_logprobs_object(
-                        await state.score(prompt_ids, handle.token_ids, top), chat))
-                yield chunk(None, value, verispec=_verispec_info(spec, handle))
-                if include_usage:
-                    yield _sse({**meta, "object": obj, "choices": [], "usage": {
-                        "prompt_tokens": n_prompt, "completion_tokens": handle.completion_tokens,
-                        "total_tokens": n_prompt + handle.completion_tokens}})
-            yield "data: [DONE]\n\n"
-            return
-
+    app.include_router(router)
     return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    state: ServerState = app.state.verispec
+    state.start()
+    try:
+        yield
+    finally:
+        state.close()
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error, the framework's own included, answers with OpenAI's error body."""
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _server_error)
+
+
+async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+    return _error_response(e)
+
+
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    return _error_response(OpenAIError(e.status_code, str(e.detail), code=code))
+
+
+async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    return _error_response(OpenAIError(400, str(e), code="invalid_value"))
+
+
+async def _server_error(request: Request, e: Exception) -> JSONResponse:
+    log.exception("unhandled error")
+    return _error_response(OpenAIError(500, "internal server error", type="server_error"))
+
+
+# -- routes --------------------------------------------------------------------------
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.verispec
+
+
+@router.get("/health")
+async def health(request: Request):
+    state = _state(request)
+    if state.draining:
+        return JSONResponse({"status": "draining", "reason": "the server is shutting down"},
+                            status_code=503)
+    if not state.worker.alive:
+        return JSONResponse({"status": "error", "reason": "the engine thread is not running"},
+                            status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/metrics")
+async def metrics_text(request: Request):
+    state = _state(request)
+    if not state.config.metrics_public:
+        state.authorize(request)
+    return PlainTextResponse(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    state = _state(request)
+    state.authorize(request)
+    return {"object": "list", "data": [{
+        "id": state.config.model_name, "object": "model", "created": state.created, "owned_by": "verispec",
+        "max_model_len": state.max_len,
+        "verispec": {"version": __version__, "drafter": state.metrics.info["drafter"], "k": state.k,
+                     "policy": state.policy, "rule": state.rule, "lossy": state.lossy}}]}
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    """A text's token ids under the served model's tokenizer, as llama.cpp's and vLLM's
+    /tokenize give them (the audit tokenizes outputs with the reference's own
+    tokenizer): {"content" or "prompt": text, "add_special" / "add_special_tokens":
+    bool, default false} -> {"tokens": [...], "count": n}; or, as vLLM's, {"messages":
+    [...]} -> the ids of the chat template with the generation prompt, as a chat request
+    would be prefilled."""
+    state = _state(request)
+    state.authorize(request)
+    body = await read_json(request, state.config.max_body_bytes)  # a JSON object
+    if "messages" in body:
+        chat = parse(ChatRequest, {"messages": body["messages"]})
+        ids = await state.chat_ids(chat)
+        return {"tokens": ids, "count": len(ids)}
+    text = body.get("content", body.get("prompt"))
+    if not isinstance(text, str):
+        raise OpenAIError(400, "'content' (or 'prompt') must be a string", param="content",
+                          code="invalid_value")
+    special = body.get("add_special", body.get("add_special_tokens", False))
+    if not isinstance(special, bool):
+        raise OpenAIError(400, "'add_special' must be a boolean", param="add_special", code="invalid_value")
+    state._check_text(text, "content", None)
+    ids = list(await state._in_pool(lambda: state.tokenizer(text, add_special_tokens=special)["input_ids"]))
+    return {"tokens": ids, "count": len(ids)}
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    return await _tracked(request, _completions)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    return await _tracked(request, _chat_completions)
+
+
+# -- generation ----------------------------------------------------------------------
+
+async def _tracked(request: Request, handler) -> Response:
+    """Generation requests: refused while draining, else counted in flight until
+    their answer is complete (a stream: until it closes). handler(state, request, scope),
+    scope: the tenant that authorize() found the request's key to be."""
+    state = _state(request)
+    try:
+        scope = state.authorize(request)
+        state.check_open()
+    except OpenAIError:
+        await _discard_body(request, state.config.max_body_bytes)
+        raise
+    state.in_flight += 1
+    try:
+        response = await handler(state, request, scope)
+    except BaseException:
+        state.in_flight -= 1
+        raise
+    if isinstance(response, _SSE):
+        response.on_close.append(functools.partial(_request_done, state))
+    else:
+        state.in_flight -= 1
+    return response
+
+
+def _request_done(state: ServerState) -> None:
+    state.in_flight -= 1
+
+
+async def _completions(state: ServerState, request: Request, scope: str | None) -> Response:
+    req = parse(CompletionRequest, await read_json(request, state.config.max_body_bytes))
+    check_completion(req)
+    state.check_model(req.model)
+    ids = await state.prompt_ids(req.prompt)
+    max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+    return await _generate(state, request, scope, req, ids, max_tokens, chat=False)
+
+
+async def _chat_completions(state: ServerState, request: Request, scope: str | None) -> Response:
+    req = parse(ChatRequest, await read_json(request, state.config.max_body_bytes))
+    check_chat(req)
+    state.check_model(req.model)
+    ids = await state.chat_ids(req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
+        max_tokens = max(1, state.max_len - len(ids))
+    return await _generate(state, request, scope, req, ids, max_tokens, chat=True)
+
+
+async def _generate(state: ServerState, request: Request, scope: str | None, req, ids: list[int],
+                    max_tokens: int, chat: bool) -> Response:
+    """One generation request, in phases: 1. it fits the context; 2. its speculation and
+    sampling are settled; 3. the engine thread takes it; 4. its answer streams, or is
+    awaited and answered whole."""
+    # 1. fits the context
+    if len(ids) + max_tokens > state.max_len:
+        param = "messages" if chat else "prompt"
+        raise state.context_error(len(ids), max_tokens, "max_tokens" if len(ids) < state.max_len else param)
+    # 2. speculation and sampling
+    spec, params = _settle(state, req, max_tokens)
+    handle = RequestHandle(ServerRequest(ids, params, speculate=spec.speculate, scope=scope), state.tokenizer,
+                           stop_list(req.stop), asyncio.get_running_loop(), rule=spec.rule)
+    # 3. into the engine
+    _submit(state, handle)
+    # 4. the answer
+    headers = {"x-verispec-lossy": "true"} if spec.lossy else {}
+    meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+            "model": state.config.model_name}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _SSE(_stream(state, handle, meta, spec, chat, ids, include_usage, logprobs_wanted(req, chat)),
+                    handle.cancel, headers)
+    if not await _answered(request, handle):
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    if handle.finish_reason == "error":
+        raise _engine_error(handle)
+    return JSONResponse(await _completion_body(state, req, ids, handle, spec, meta, chat), headers=headers)
+
+
+def _settle(state: ServerState, req, max_tokens: int) -> tuple[Speculation, GenerationParams]:
+    """The request's speculation (resolve_speculation) and generation parameters; what
+    the engine's own checks refuse is the client's error (400)."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    spec = resolve_speculation(state.rule, state.engine.drafter is not None, temperature, req.verispec,
+                               seed=req.seed)
+    seed = req.seed
+    if seed is None and temperature > 0 and state.rule == "coupled":
+        # a coupled engine keys every sampled row on a seed: give it one from OS entropy
+        # here, so that the rule resolved above (coupled, or rejection if asked) is the
+        # one the engine runs
+        seed = secrets.randbits(63)
+    try:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k_of(req, state.vocab_size),
+                                  top_p=1.0 if req.top_p is None else req.top_p,
+                                  min_p=0.0 if req.min_p is None else req.min_p,
+                                  seed=seed, coupled=spec.keyed)
+        params = GenerationParams(max_new_tokens=max_tokens, sampling=sampling,
+                                  stop_token_ids=() if req.ignore_eos else state.stop_token_ids,
+                                  ignore_eos=bool(req.ignore_eos))
+    except ValueError as e:
+        raise OpenAIError(400, f"invalid sampling parameters: {e}", code="invalid_value") from None
+    return spec, params
+
+
+def _submit(state: ServerState, handle: RequestHandle) -> None:
+    """Hands the request to the engine thread, or refuses it: 503 once the drain has timed
+    out or while the engine thread is down, 429 at capacity."""
+    if state.drain_expired:
+        raise OpenAIError(503, "server shutting down: not accepting new requests", type="server_error",
+                          code="server_shutting_down", headers={"Connection": "close"})
+    if not state.worker.alive:
+        raise OpenAIError(503, "the engine thread is not running", type="server_error", code="engine_down")
+    if not state.worker.try_submit(handle):
+        raise OpenAIError(429, f"the server is at capacity ({state.engine.config.max_batch} running, "
+                               f"{state.config.max_queue} queued); retry later",
+                          type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+
+async def _answered(request: Request, handle: RequestHandle) -> bool:
+    """Waits for the request's end or the client's disconnect, then frees its row;
+    False: the client is gone (or the request was cancelled) before the end."""
+    try:
+        waiter = asyncio.ensure_future(handle.wait())
+        watcher = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            watcher.cancel()
+        return handle.finish_reason is not None and handle.finish_reason != "cancelled"
+    finally:
+        handle.cancel()  # a no-op when the engine already let go of the request
+
+
+def _engine_error(handle: RequestHandle) -> OpenAIError:
+    """The error a request that ended with finish_reason "error" answers with."""
+    status, message, code = handle.error
+    return OpenAIError(status, message, type="server_error" if status >= 500 else "invalid_request_error",
+                       code=code)
+
+
+def _usage(n_prompt: int, handle: RequestHandle) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": handle.completion_tokens,
+            "total_tokens": n_prompt + handle.completion_tokens}
+
+
+async def _completion_body(state: ServerState, req, ids: list[int], handle: RequestHandle, spec: Speculation,
+                           meta: dict, chat: bool) -> dict:
+    """The whole answer of a request that was not streamed."""
+    top = logprobs_wanted(req, chat)
+    lps = _logprobs_object(await state.score(ids, handle.token_ids, top), chat) if top is not None else None
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": handle.text},
+                  "logprobs": lps, "finish_reason": handle.finish_reason}
+    else:
+        choice = {"index": 0, "text": handle.text, "logprobs": lps, "finish_reason": handle.finish_reason}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = [None] + [_prompt_logprob(e) for e in await state.score(
+                ids[:1], ids[1:], req.prompt_logprobs)]
+    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+            "usage": _usage(len(ids), handle), "verispec": _verispec_info(state, spec, handle)}
+
+
+def _verispec_info(state: ServerState, spec: Speculation, handle: RequestHandle) -> dict:
+    return {"speculate": spec.speculate, "rule": spec.rule, "lossy": spec.lossy,
+            "drafter": state.metrics.info["drafter"] if spec.speculate else None,
+            "k": state.k if spec.speculate else 0, **handle.stats.to_dict()}
+
+
+async def _stream(state: ServerState, handle: RequestHandle, meta: dict, spec: Speculation, chat: bool,
+                  prompt_ids: list[int], include_usage: bool, top: int | None):
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str | None, finish: str | None, first: bool = False, logprobs=None, **extra) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        return _sse({**meta, "object": obj, "choices": [choice], **extra})
+
+    if chat:
+        yield chunk(None, None, first=True)
+    while True:
+        kind, value = await handle.events.get()
+        if kind == "text":
+            yield chunk(value, None)
+            continue
+        if value == "error":
+            yield _sse(_engine_error(handle).body())
+        elif value != "cancelled":
+            if top is not None:  # scored once the answer is complete: one chunk, every token
+                yield chunk(None, None, logprobs=_logprobs_object(
+                    await state.score(prompt_ids, handle.token_ids, top), chat))
+            yield chunk(None, value, verispec=_verispec_info(state, spec, handle))
+            if include_usage:
+                yield _sse({**meta, "object": obj, "choices": [], "usage": _usage(len(prompt_ids), handle)})
+        yield "data: [DONE]\n\n"
+        return
 
 
 def _prompt_logprob(e: dict) -> dict:

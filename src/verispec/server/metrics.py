@@ -110,75 +110,82 @@ class Metrics:
             return self._families_locked()
 
     def _families_locked(self) -> list:
-        m = {"model_name": self.model_name}
-        out: list = []
+        """The families in the order /metrics lists them: traffic, speculation, occupancy,
+        engine steps, garbage-collector pauses."""
+        out = _Families(self.model_name)
+        self._traffic(out)
+        self._speculation(out)
+        self._occupancy(out)
+        self._steps(out)
+        self._gc_pauses(out)
+        return out.families
 
-        def family(cls, name, help_, samples):
-            keys = sorted({k for labels, _ in samples for k in labels} | set(m), key=lambda k: (k != "model_name", k))
-            f = cls(name, help_, labels=keys)
-            for labels, value in samples:
-                f.add_metric([str({**m, **labels}.get(k, "")) for k in keys], value)
-            out.append(f)
+    def _traffic(self, out: _Families) -> None:
+        out.gauge("verispec_info", "Server configuration (constant 1).", [(self.info, 1)])
+        out.counter("verispec_requests_total", "HTTP responses by endpoint and status code.",
+                    [({"endpoint": e, "status": str(s)}, n) for (e, s), n in sorted(self.http.items())])
+        out.counter("verispec_request_finish_total", "Generation requests that left the engine, by finish reason.",
+                    [({"reason": r}, n) for r, n in sorted(self.finished.items())])
+        out.counter("verispec_prompt_tokens_total", "Prompt tokens of requests that left the engine.",
+                    [({}, self.prompt_tokens)])
+        out.counter("verispec_generation_tokens_total", "Generated tokens.", [({}, self.generation_tokens)])
+        out.counter("verispec_target_passes_total", "Target forward passes per row (one per step per running row).",
+                    [({}, self.target_passes)])
 
-        def counter(name, help_, samples):
-            family(CounterMetricFamily, name, help_, samples)
-
-        def gauge(name, help_, samples):
-            family(GaugeMetricFamily, name, help_, samples)
-
-        gauge("verispec_info", "Server configuration (constant 1).", [(self.info, 1)])
-        counter("verispec_requests_total", "HTTP responses by endpoint and status code.",
-                [({"endpoint": e, "status": str(s)}, n) for (e, s), n in sorted(self.http.items())])
-        counter("verispec_request_finish_total", "Generation requests that left the engine, by finish reason.",
-                [({"reason": r}, n) for r, n in sorted(self.finished.items())])
-        counter("verispec_prompt_tokens_total", "Prompt tokens of requests that left the engine.",
-                [({}, self.prompt_tokens)])
-        counter("verispec_generation_tokens_total", "Generated tokens.", [({}, self.generation_tokens)])
-        counter("verispec_target_passes_total", "Target forward passes per row (one per step per running row).",
-                [({}, self.target_passes)])
-        counter("verispec_spec_decode_num_drafts_total", "Row-steps that verified at least one draft token.",
-                [({}, self.num_drafts)])
-        counter("verispec_spec_decode_num_draft_tokens_total", "Draft tokens proposed.", [({}, self.draft_tokens)])
-        counter("verispec_spec_decode_num_accepted_tokens_total", "Draft tokens accepted.",
-                [({}, self.accepted_tokens)])
-        counter("verispec_spec_decode_num_accepted_tokens_per_pos_total",
-                "Accepted draft tokens by draft position (0 = first draft).",
-                [({"position": str(i)}, n) for i, n in enumerate(self.accepted_per_pos)])
-        counter("verispec_spec_decode_num_draft_tokens_per_pos_total", "Proposed draft tokens by draft position.",
-                [({"position": str(i)}, n) for i, n in enumerate(self.drafted_per_pos)])
+    def _speculation(self, out: _Families) -> None:
+        out.counter("verispec_spec_decode_num_drafts_total", "Row-steps that verified at least one draft token.",
+                    [({}, self.num_drafts)])
+        out.counter("verispec_spec_decode_num_draft_tokens_total", "Draft tokens proposed.",
+                    [({}, self.draft_tokens)])
+        out.counter("verispec_spec_decode_num_accepted_tokens_total", "Draft tokens accepted.",
+                    [({}, self.accepted_tokens)])
+        out.counter("verispec_spec_decode_num_accepted_tokens_per_pos_total",
+                    "Accepted draft tokens by draft position (0 = first draft).",
+                    [({"position": str(i)}, n) for i, n in enumerate(self.accepted_per_pos)])
+        out.counter("verispec_spec_decode_num_draft_tokens_per_pos_total", "Proposed draft tokens by draft position.",
+                    [({"position": str(i)}, n) for i, n in enumerate(self.drafted_per_pos)])
         rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-        gauge("verispec_spec_decode_acceptance_rate",
-              "Accepted / proposed draft tokens since start (0 when nothing was drafted).", [({}, rate)])
+        out.gauge("verispec_spec_decode_acceptance_rate",
+                  "Accepted / proposed draft tokens since start (0 when nothing was drafted).", [({}, rate)])
         mal = self.generation_tokens / self.target_passes if self.target_passes else 0.0
-        gauge("verispec_spec_decode_mean_accepted_length",
-              "Generated tokens per target pass since start (1.0 = plain decoding).", [({}, mal)])
-        gauge("verispec_spec_decode_acceptance_per_position",
-              "Acceptance rate by draft position (requests that left the engine).",
-              [({"position": str(i)}, a / d if d else 0.0)
-               for i, (a, d) in enumerate(zip(self.accepted_per_pos, self.drafted_per_pos))])
-        gauge("verispec_num_requests_waiting", "Requests queued for a free row (queue depth).",
-              [({}, self.queue_depth)])
-        gauge("verispec_num_requests_running", "Requests holding a row of the running batch.", [({}, self.running)])
-        gauge("verispec_cache_rows_in_use", "KV-cache rows held (active rows).", [({}, self.rows_in_use)])
+        out.gauge("verispec_spec_decode_mean_accepted_length",
+                  "Generated tokens per target pass since start (1.0 = plain decoding).", [({}, mal)])
+        out.gauge("verispec_spec_decode_acceptance_per_position",
+                  "Acceptance rate by draft position (requests that left the engine).",
+                  [({"position": str(i)}, a / d if d else 0.0)
+                   for i, (a, d) in enumerate(zip(self.accepted_per_pos, self.drafted_per_pos))])
+
+    def _occupancy(self, out: _Families) -> None:
+        out.gauge("verispec_num_requests_waiting", "Requests queued for a free row (queue depth).",
+                  [({}, self.queue_depth)])
+        out.gauge("verispec_num_requests_running", "Requests holding a row of the running batch.",
+                  [({}, self.running)])
+        out.gauge("verispec_cache_rows_in_use", "KV-cache rows held (active rows).", [({}, self.rows_in_use)])
         dc = self.drafter_cache
-        if dc is not None:  # suffix decoding's global cache: its size against its bound, in trie nodes
-            gauge("verispec_suffix_cache_nodes", "Trie nodes held by the suffix drafter's global cache.",
+        if dc is None:  # no drafter, or one without a cache shared across requests
+            return
+        # suffix decoding's global cache: its size against its bound, in trie nodes
+        out.gauge("verispec_suffix_cache_nodes", "Trie nodes held by the suffix drafter's global cache.",
                   [({}, dc["nodes"])])
-            gauge("verispec_suffix_cache_max_nodes", "The suffix drafter's global cache bound, in trie nodes.",
+        out.gauge("verispec_suffix_cache_max_nodes", "The suffix drafter's global cache bound, in trie nodes.",
                   [({}, dc["max_nodes"])])
-            gauge("verispec_suffix_cache_sequences", "Finished requests held by the suffix drafter's global cache.",
+        out.gauge("verispec_suffix_cache_sequences", "Finished requests held by the suffix drafter's global cache.",
                   [({}, dc["sequences"])])
-            gauge("verispec_suffix_cache_scopes", "API-key scopes (one trie each) in the suffix drafter's global cache.",
+        out.gauge("verispec_suffix_cache_scopes", "API-key scopes (one trie each) in the suffix drafter's global cache.",
                   [({}, dc["scopes"])])
-            counter("verispec_suffix_cache_evictions_total",
+        out.counter("verispec_suffix_cache_evictions_total",
                     "Sequences the suffix drafter's global cache evicted to stay under its bound.",
                     [({}, dc["evictions"])])
+
+    def _steps(self, out: _Families) -> None:
         h = HistogramMetricFamily("verispec_step_duration_seconds", "Wall time of one engine step (all running rows).",
                                   labels=["model_name"])
         h.add_metric([self.model_name], [(repr(le), n) for le, n in zip(STEP_BUCKETS, self.step_buckets)]
                      + [("+Inf", self.steps)], self.step_sum)
-        out.append(h)
-        counter("verispec_step_rows_total", "Running rows summed over engine steps.", [({}, self.step_rows_sum)])
+        out.families.append(h)
+        out.counter("verispec_step_rows_total", "Running rows summed over engine steps.", [({}, self.step_rows_sum)])
+
+    def _gc_pauses(self, out: _Families) -> None:
         g = self.gc.snapshot()
         h = HistogramMetricFamily("verispec_gc_pause_seconds",
                                   "Pauses of the Python garbage collector, which stop every thread, by generation, "
@@ -188,13 +195,34 @@ class Metrics:
             h.add_metric([self.model_name, str(gen)],
                          [(repr(le), n) for le, n in zip(GC_BUCKETS, g["buckets"][gen])] + [("+Inf", g["count"][gen])],
                          g["sum"][gen])
-        out.append(h)
-        gauge("verispec_gc_pause_max_seconds", "The longest garbage-collector pause since serving began.",
-              [({}, g["max"])])
-        gauge("verispec_gc_frozen_objects", "Objects frozen out of garbage collection at start-up.",
-              [({}, g["frozen"])])
-        return out
+        out.families.append(h)
+        out.gauge("verispec_gc_pause_max_seconds", "The longest garbage-collector pause since serving began.",
+                  [({}, g["max"])])
+        out.gauge("verispec_gc_frozen_objects", "Objects frozen out of garbage collection at start-up.",
+                  [({}, g["frozen"])])
 
+
+class _Families:
+    """Metric families as they are built, each labelled with the model's name first and
+    then the labels of its samples (sorted; a sample without one of them reads "")."""
+
+    def __init__(self, model_name: str):
+        self.model = {"model_name": model_name}
+        self.families: list = []
+
+    def counter(self, name: str, help_: str, samples: list[tuple[dict, float]]) -> None:
+        self._add(CounterMetricFamily, name, help_, samples)
+
+    def gauge(self, name: str, help_: str, samples: list[tuple[dict, float]]) -> None:
+        self._add(GaugeMetricFamily, name, help_, samples)
+
+    def _add(self, cls, name: str, help_: str, samples: list[tuple[dict, float]]) -> None:
+        m = self.model
+        keys = sorted({k for labels, _ in samples for k in labels} | set(m), key=lambda k: (k != "model_name", k))
+        f = cls(name, help_, labels=keys)
+        for labels, value in samples:
+            f.add_metric([str({**m, **labels}.get(k, "")) for k in keys], value)
+        self.families.append(f)
 
 class _Collector:
     """prometheus_client's custom-collector protocol over a Metrics object."""

@@ -42,11 +42,12 @@ class ServerRequest(Request):
 
 
 class PerRequestPolicy(PolicyWrapper):
-    """Wraps the engine's policy: rows whose request turned speculation off draft k = 0."""
+    """Wraps the served engine's policy (same max_k, so the same cache slack): rows whose
+    request turned speculation off draft k = 0. Its requests are ServerRequests."""
 
-    def choose(self, requests):
+    def choose(self, requests: list[ServerRequest]) -> list[int]:
         ks = self.inner.choose(requests)
-        return [k if getattr(r, "speculate", True) else 0 for k, r in zip(ks, requests)]
+        return [k if r.speculate else 0 for k, r in zip(ks, requests)]
 
 
 @dataclass
