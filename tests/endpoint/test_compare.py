@@ -67,14 +67,14 @@ def test_gate_fails_on_a_speedup_drop_and_on_worse_equivalence(reports):
     for lv in slow["endpoint_runs"]["endpoint"]["levels"]:
         for r in lv["results"]:
             r["latency_s"] *= 3  # the same answers, three times slower
-    cmp = compare_reports(old, slow)
+    cmp = compare_reports(old, slow, "equivalence")
     assert not cmp["passed"] and any("speedup fell" in f for f in cmp["failures"])
     worse = copy.deepcopy(reports["again"])
     eq = next(c for c in worse["checks"] if c["name"] == "equivalence")
     eq["passed"] = False
     for r in eq["details"]["per_batch"]:
         r["identical"] = 0
-    cmp = compare_reports(old, worse)
+    cmp = compare_reports(old, worse, "equivalence")
     assert "equivalence passed before and fails now" in cmp["failures"]
     assert any("divergences rose" in f for f in cmp["failures"])
 

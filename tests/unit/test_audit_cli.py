@@ -92,3 +92,28 @@ def test_model_free_drafter_specs_build_without_loading_a_model():
         drafter_factory_from_spec("suffix:width=99", None, None)
     with pytest.raises(ValueError, match="needs a drafter"):
         drafter_factory_from_spec("none", None, None)
+
+
+@pytest.mark.parametrize("argv, option, mode", [
+    (["--endpoint", "http://127.0.0.1:9", "--target", "X"], "--target", "engine"),
+    (["--endpoint", "http://127.0.0.1:9", "--target", "smollm2-135m"], "--target", "engine"),  # its default, given
+    (["--endpoint", "http://127.0.0.1:9", "--temperature", "0.5"], "--temperature", "engine"),
+    (["--endpoint", "http://127.0.0.1:9", "--batch-invariant"], "--batch-invariant", "engine"),
+    (["--concurrency", "4"], "--concurrency", "endpoint"),
+    (["--reference-endpoint", "http://127.0.0.1:9"], "--reference-endpoint", "endpoint"),
+    (["--sampled-tokens", "100"], "--sampled-tokens", "endpoint"),
+])
+def test_an_option_of_the_other_mode_exits_2_naming_it(argv, option, mode, capsys):
+    assert main(["audit", *argv]) == 2
+    err = capsys.readouterr().err
+    assert option in err and f"option of the {mode} mode" in err
+
+
+def test_help_groups_the_options_by_mode(capsys):
+    with pytest.raises(SystemExit):
+        main(["audit", "--help"])
+    out = capsys.readouterr().out
+    common, engine, endpoint = (out.index(h) for h in ("common to both modes:", "engine mode", "endpoint mode"))
+    assert common < engine < endpoint
+    assert engine < out.index("\n  --target") < endpoint < out.index("\n  --concurrency")
+    assert common < out.index("\n  --only") < engine

@@ -1,5 +1,5 @@
 """The HTML report renders in headless Chromium (Debian's chromium package, installed by
-scripts/install.sh): a screenshot of the page is not blank and shows the plots."""
+scripts/install.sh --test): a screenshot of the page is not blank and shows the plots."""
 
 import shutil
 import subprocess
@@ -14,7 +14,7 @@ CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "goog
                  if shutil.which(n)), None)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (scripts/install.sh installs it)")
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (scripts/install.sh --test installs it)")
 def test_report_renders_in_headless_chromium(tmp_path):
     with one_thread():
         report = tiny_audit(tiny_models()).to_dict()

@@ -1,5 +1,5 @@
 """The built-in checks, in report order: how each runs in the offline audit (engine mode,
-runner.EngineAudit) and from outside (endpoint mode, endpoint.runner.EndpointAudit), and how
+runner.EngineAudit) and from outside (endpoint mode, endpoint.checks.EndpointAudit), and how
 the report shows its result. checks.py says what a check is; report.py renders whatever
 is registered here.
 
@@ -10,10 +10,10 @@ seeds, stops and drafter, so they run offline only.
 
 from __future__ import annotations
 
-from ..verify import LOSSY_RULES
-from . import churn, consistency, corruption, distribution, equivalence, floor, load, plots, record, seeded, speed, stopping
+from . import (churn, consistency, corruption, distribution, equivalence, floor, load, lossy_rule, plots, record, seeded,
+               speed, stopping)
 from .checks import ENDPOINT, ENGINE, Check, CheckResult, Section, register
-from .endpoint import checks as outside, compare
+from .endpoint import compare
 from .fmt import f as _f, pct as _pct, temps as _temps
 
 
@@ -232,22 +232,14 @@ def _load_sections(c: CheckResult) -> list[Section]:
               "spec ms/token", "tokens/pass", "speedup [95% CI]", "predicted", "verdict"], rows)]
 
 
-def _lossy_rule(config) -> CheckResult:
-    lossy = config.rule in LOSSY_RULES
-    summary = (f"rule {config.rule!r} is LOSSY: output is not distributed as the target's"
-               if lossy else f"rule {config.rule!r} is exact")
-    return CheckResult(not lossy, summary,
-                       {"rule": config.rule, "lossy": lossy, "lossy_rules": sorted(LOSSY_RULES)})
-
-
-LOSSY_RULE = register(Check("lossy-rule", engine=lambda a: _lossy_rule(a.ctx.config),
-                            endpoint=outside.lossy_rule_check, always=True))
+LOSSY_RULE = register(Check("lossy-rule", engine=lambda a: lossy_rule.lossy_rule_check(a.ctx.config),
+                            endpoint=lossy_rule.endpoint_lossy_rule_check, always=True))
 EQUIVALENCE = register(Check("equivalence", engine=_equivalence_engine,
-                             endpoint=outside.equivalence_check, greedy=(ENGINE, ENDPOINT), headline=_equivalence_headline,
+                             endpoint=equivalence.endpoint_equivalence_check, greedy=(ENGINE, ENDPOINT), headline=_equivalence_headline,
                              sections=_equivalence_sections, drafts_verified=lambda c: c.figures.get("drafts_verified"),
                              plot=("equivalence", "Exact match vs the plain reference, per batch size", plots.equivalence)))
 DISTRIBUTION = register(Check("distribution", engine=lambda a: distribution.distribution_check(a.ctx),
-                              endpoint=outside.distribution_check, samples=True, headline=_distribution_headline,
+                              endpoint=distribution.endpoint_distribution_check, samples=True, headline=_distribution_headline,
                               sections=_distribution_sections, drafts_verified=lambda c: c.figures.get("verified_drafts"),
                               plot=("pit", "Randomised PIT histogram (uniform under an exact sampler)", plots.pit)))
 SEEDED = register(Check("seeded", engine=_seeded_engine, headline=_seeded_headline,
@@ -258,19 +250,20 @@ DRAFTER_CONSISTENCY = register(Check("drafter-consistency", engine=lambda a: con
                                      greedy=(ENGINE,), sections=_consistency_sections,
                                      drafts_verified=lambda c: c.figures.get("positions_compared")))
 CORRUPTION = register(Check("corruption", engine=lambda a: corruption.corruption_check(a.ctx, a.runs()),
-                            endpoint=outside.corruption_check, greedy=(ENGINE, ENDPOINT), sections=_corruption_sections))
-SLICES = register(Check("slices", engine=lambda a: speed.slices_check(a.ctx, a.runs()), endpoint=outside.slices_check,
+                            endpoint=corruption.endpoint_corruption_check, greedy=(ENGINE, ENDPOINT), sections=_corruption_sections))
+SLICES = register(Check("slices", engine=lambda a: speed.slices_check(a.ctx, a.runs()), endpoint=speed.endpoint_slices_check,
                         greedy=(ENGINE, ENDPOINT), headline=_slices_headline, sections=_slices_sections,
                         plot=("slices", "Per slice: tokens per target pass (bars), the speedup with its 95% interval "
                                "(grey: noise or not resolved) and what acceptance predicts", plots.slices)))
-LOAD = register(Check("load", engine=lambda a: load.load_check(a.ctx), endpoint=outside.load_check, greedy=(ENDPOINT,),
+LOAD = register(Check("load", engine=lambda a: load.load_check(a.ctx), endpoint=load.endpoint_load_check, greedy=(ENDPOINT,),
                       headline=lambda c: [("Load crossover", c.summary)], sections=_load_sections,
                       plot=("load", "Speedup of speculative over plain decoding vs load, with 95% intervals", plots.load)))
-RECORD = register(Check("record", engine=lambda a: record.record_check(a.record()), endpoint=outside.record_check,
+RECORD = register(Check("record", engine=lambda a: record.record_check(a.record()), endpoint=record.endpoint_record_check,
                         always=True, closes=True))
 SPEEDUP_FLOOR = register(Check("speedup-floor", engine=lambda a: floor.engine_floor_check(a.ctx, a.ctx.config.min_speedup),
                                endpoint=lambda a: floor.endpoint_floor_check(a, a.min_speedup), headline=floor.headline,
                                sections=floor.sections,
                                plot=("floor", "Speedup per prompt: the suite, the search's edits, and the worst confirmed",
                                      floor.plot)), before=LOAD)
-GATE = register(Check("compare", endpoint=compare.gate_check, always=True, closes=True))
+GATE = register(Check("compare", endpoint=lambda a: compare.gate_check(a, EQUIVALENCE.name), always=True,
+                      closes=True))

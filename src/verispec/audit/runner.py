@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..engine import GenerationParams, Request
+from ..engine import Engine, GenerationParams, Request
 from ..policy import FixedK
 from . import churn, record
 from .checks import ENGINE, CheckResult, run_checks, verdict
@@ -82,10 +82,12 @@ def run_audit(config: AuditConfig, *, target=None, drafter_factory: DrafterFacto
         from ..models import load_model
         target = load_model(config.target, progress=False, batch_invariant=config.batch_invariant)
     model, tokenizer = target.model, target.tokenizer
-    if config.inject_fault:  # a fault in the backend: every engine of the audit runs on it
+    build_audited = Engine
+    if config.inject_fault:
         from .faults import build as build_fault
-        fault = build_fault(config.inject_fault)
-        if fault.backend is not None:
+        fault = build_fault(config.inject_fault)  # ValueError naming the faults
+        build_audited = fault.engine
+        if fault.backend is not None:  # a fault in the backend: every engine of the audit runs on it
             model = fault.backend(model)
     if drafter_factory is None:
         drafter_factory, draft_files = drafter_factory_from_spec(config.draft, model, tokenizer)
@@ -97,7 +99,7 @@ def run_audit(config: AuditConfig, *, target=None, drafter_factory: DrafterFacto
     stops = tuple(dict.fromkeys(tuple(model.config.eos_token_ids) + ((eos,) if eos is not None else ())))
     ctx = AuditContext(config=config, model=model, tokenizer=tokenizer, drafter_factory=drafter_factory,
                        suite=suite, prompts=chosen, prompt_ids=[encode(tokenizer, p.prompt, chat) for p in chosen],
-                       chat=chat, stops=stops, progress=progress)
+                       chat=chat, stops=stops, progress=progress, build_audited=build_audited)
 
     audit = EngineAudit(ctx, target.files, draft_files, started)
     run_checks(ENGINE, audit, only=tuple(config.only or ()), fail_fast=config.fail_fast, progress=progress)

@@ -155,21 +155,21 @@ def _moved(old: list[dict], new: list[dict], key: str) -> dict:
             "p_drop": p_drop, "scale": "log ratio" if key == "log_speedup" else "difference"}
 
 
-def _equivalence(report: dict) -> dict | None:
-    """A report's equivalence result (None: it has none)."""
-    from ..registry import EQUIVALENCE  # the registry registers this module's gate: imported when the gate runs
-    return next((c for c in report["checks"] if c["name"] == EQUIVALENCE.name), None)
+def _result(report: dict, check: str) -> dict | None:
+    """A report's result of the named check (None: it has none)."""
+    return next((c for c in report["checks"] if c["name"] == check), None)
 
 
-def _equivalence_levels(report: dict) -> dict[int, dict]:
-    eq = _equivalence(report)
+def _equivalence_levels(report: dict, check: str) -> dict[int, dict]:
+    eq = _result(report, check)
     if eq is None:
         return {}
     return {r["batch"]: r for r in eq["details"]["per_batch"]}
 
 
-def compare_reports(old: dict, new: dict, alpha: float = ALPHA) -> dict:
-    """The comparison of two endpoint audits: triggers, figures per slice and level, the gate."""
+def compare_reports(old: dict, new: dict, equivalence: str, alpha: float = ALPHA) -> dict:
+    """The comparison of two endpoint audits: triggers, figures per slice and level, the gate.
+    equivalence: the name of the check whose per-level divergences the gate compares."""
     ot = {t.get("key", t["trigger"]): t for t in old["record"]["retest_triggers"]}
     nt = {t.get("key", t["trigger"]): t for t in new["record"]["retest_triggers"]}
     triggers = [{"key": k, "trigger": (nt.get(k) or ot.get(k))["trigger"],
@@ -200,9 +200,9 @@ def compare_reports(old: dict, new: dict, alpha: float = ALPHA) -> dict:
             failures.append(f"{where}: speedup fell {s['old']['value']:.2f}x -> {s['new']['value']:.2f}x "
                             f"(log speedup {s['change']:+.3f}, {LEVEL:.0%} interval {s['low']:+.3f}..{s['high']:+.3f}; "
                             f"one-sided p = {s['p_drop']:.2g} < {alpha / len(rows):.2g})")
-    eo, en = _equivalence_levels(old), _equivalence_levels(new)
-    old_eq = (_equivalence(old) or {}).get("passed")
-    new_eq = (_equivalence(new) or {}).get("passed")
+    eo, en = _equivalence_levels(old, equivalence), _equivalence_levels(new, equivalence)
+    old_eq = (_result(old, equivalence) or {}).get("passed")
+    new_eq = (_result(new, equivalence) or {}).get("passed")
     if old_eq and new_eq is False:
         failures.append("equivalence passed before and fails now")
     eq_levels = []
@@ -234,12 +234,12 @@ def _fmt_change(m: dict) -> str:
     return f"{m['change']:+.3f}" + (f" [{m['low']:+.3f}, {m['high']:+.3f}]" if m["low"] is not None else "")
 
 
-def gate_check(a) -> CheckResult | None:
+def gate_check(a, equivalence: str) -> CheckResult | None:
     """--compare-to: the re-test gate, on the endpoint audit's report as the checks before it
     left it (endpoint.checks.EndpointAudit); not applicable without an earlier report."""
     if a.previous is None:
         return None
-    return comparison_check(compare_reports(a.previous, a.report(0.0)))
+    return comparison_check(compare_reports(a.previous, a.report(0.0), equivalence))
 
 
 def comparison_check(cmp: dict) -> CheckResult:
