@@ -113,7 +113,7 @@ def test_help_groups_the_options_by_mode(capsys):
     with pytest.raises(SystemExit):
         main(["audit", "--help"])
     out = capsys.readouterr().out
-    common, engine, endpoint = (out.index(h) for h in ("common to both modes:", "engine mode", "endpoint mode"))
+    common, engine, endpoint = (out.index(h) for h in ("\ncommon to both modes:", "\nengine mode (", "\nendpoint mode ("))
     assert common < engine < endpoint
     assert engine < out.index("\n  --target") < endpoint < out.index("\n  --concurrency")
     assert common < out.index("\n  --only") < engine
