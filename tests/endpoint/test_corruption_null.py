@@ -1,9 +1,9 @@
-"""Corruption from outside (audit/endpoint/checks._corruption): signatures on the reference's
+"""Corruption from outside (audit/corruption._endpoint_corruption): signatures on the reference's
 tokens, judged against the deployment's own null. A correct server whose reference diverges
 from itself the same way is not accused; a looping or garbled output still fails."""
 
 from verispec.audit.endpoint.client import EndpointRun, LevelRun, PromptResult
-from verispec.audit.endpoint.checks import MIN_SIGNATURE_TOKENS, _corruption, _Signer
+from verispec.audit.corruption import MIN_SIGNATURE_TOKENS, _endpoint_corruption, _Signer
 from verispec.audit.suite import SuitePrompt
 
 
@@ -37,7 +37,7 @@ BASE = ["I'm sorry, but I can't assist with that request. Is there anything else
 
 def _check(endpoint, null, ppl=None):
     base = _run(BASE, 1).levels[0].results
-    return _corruption(_run(endpoint), base, [_run(null)], _Signer(FakeTokens(ppl), PROMPTS, True)).to_dict()
+    return _endpoint_corruption(_run(endpoint), base, [_run(null)], _Signer(FakeTokens(ppl), PROMPTS, True)).to_dict()
 
 
 def test_an_output_the_reference_itself_produced_is_not_corruption():

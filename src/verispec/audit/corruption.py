@@ -7,17 +7,22 @@ signature counts only when the speculative output shows it and the reference doe
 
 The signature functions are pure (token ids, text, numbers in; numbers out);
 `continuation_perplexity` runs the target once, and `corruption_check` applies them to the
-audit's greedy runs.
+audit's greedy runs; `endpoint_corruption_check` applies them from outside, on the
+reference's tokens, against the deployment's own null.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 
 import torch
 
 from .checks import CheckResult
+from .endpoint.checks import EndpointAudit
+from .endpoint.client import EndpointRun, PromptResult
+from .endpoint.tokens import ReferenceTokens
 from .equivalence import prefix_cache, teacher_forced_logits
 
 LOOP_MIN_REPEATS = 4  # a unit repeated at least this many times back to back ...
@@ -190,3 +195,122 @@ def corruption_check(ctx, runs) -> CheckResult:
                               "perplexity_ratio": PPL_RATIO, "early_stop_ratio": EARLY_STOP_RATIO}}
     return CheckResult(passed, summary, figures,
                        {"per_batch": per_batch, "flagged": flagged[:50]})
+
+
+# -- from outside (endpoint mode: the state in endpoint/checks.py) ------------------------------
+def endpoint_corruption_check(a: EndpointAudit) -> CheckResult:
+    toks = ReferenceTokens(a.ref_cfg or a.cfg, a.ref_info.kind if a.ref_info else a.info.kind)
+    try:
+        return _endpoint_corruption(a.run, a.base_results, a.null_runs, _Signer(toks, a.prompts, a.chat))
+    finally:
+        toks.close()
+
+
+WORD = re.compile(r"\w+|[^\w\s]|\s+")
+
+
+def _pseudo_tokens(text: str) -> list[int]:
+    """Words, punctuation and whitespace runs as ids: the stand-in where the reference cannot tokenize."""
+    ids: dict[str, int] = {}
+    return [ids.setdefault(w, len(ids)) for w in WORD.findall(text)]
+
+
+# the repeated-4-gram and perplexity signatures judge outputs of at least this many tokens
+MIN_SIGNATURE_TOKENS = 16
+
+
+class _Signer:
+    """Signatures of outputs on the reference's tokens, perplexity by the reference's score;
+    each text tokenized and scored once."""
+
+    def __init__(self, toks: ReferenceTokens, prompts: list, chat: bool):
+        self.toks, self.chat = toks, chat
+        self.prompt = {p.id: p.prompt for p in prompts}
+        self.words = False  # fell back to words somewhere
+        self._sigs: dict[tuple, object] = {}
+
+    def __call__(self, pid: str, r: PromptResult, score: bool):
+        key = (pid, r.text or "", r.finish_reason == "stop", score)
+        if key not in self._sigs:
+            text = r.text or ""
+            ids = self.toks.tokenize(text) if text else []
+            if ids is None:
+                self.words = True
+                ids = _pseudo_tokens(text)
+            ppl = (self.toks.perplexity(self.prompt[pid.split("#")[0]], self.chat, ids)
+                   if score and not self.words and len(ids) >= MIN_SIGNATURE_TOKENS else None)
+            self._sigs[key] = signatures(ids, text, r.finish_reason == "stop", ppl)
+        return self._sigs[key]
+
+
+def _endpoint_corruption(run: EndpointRun, refs: list[PromptResult], null_runs: list[EndpointRun],
+                         signer: _Signer) -> CheckResult:
+    """Corruption signatures of every endpoint output that differs from the base, judged
+    against the deployment's own null: the reference's outputs that differ from the same base.
+
+    An endpoint output is flagged for a signature it shows and its base output lacks (loop,
+    repeated 4-grams and perplexity on outputs of >= MIN_SIGNATURE_TOKENS reference tokens),
+    unless the null explains it: the reference itself produced the same text for that prompt
+    (at any level, in any null run), or a null output showed the same kind of signature at
+    least as strongly. The check fails on any flag the null does not explain."""
+    null_texts: dict[str, set] = {}
+    null_worst: dict[str, float] = {}  # signature kind -> the null's strongest
+    null_flagged = []
+    for nr in null_runs:
+        for level in nr.levels:
+            for ref, got in zip(refs, level.results):
+                if not ref.ok or not got.ok:
+                    continue
+                null_texts.setdefault(got.id, set()).add(got.text)
+                if got.text == ref.text:
+                    continue
+                flags = signature_flags(signer(got.id, got, True), signer(ref.id, ref, True), MIN_SIGNATURE_TOKENS)
+                for f in flags:
+                    null_worst[f.kind] = max(null_worst.get(f.kind, 0.0), f.severity)
+                if flags:
+                    null_flagged.append({"batch": level.concurrency, "id": got.id, "signatures": [f.message for f in flags],
+                                         "text": (got.text or "")[-200:], "reference": (ref.text or "")[-200:]})
+    flagged, explained, per_batch = [], [], []
+    for level in run.levels:
+        n = 0
+        for ref, got in zip(refs, level.results):
+            if not ref.ok or not got.ok or got.text == ref.text:
+                continue
+            flags = signature_flags(signer(got.id, got, True), signer(ref.id, ref, True), MIN_SIGNATURE_TOKENS)
+            if not flags:
+                continue
+            row = {"batch": level.concurrency, "id": got.id, "slice": got.slice,
+                   "signatures": [f.message for f in flags], "text": (got.text or "")[-200:],
+                   "reference": (ref.text or "")[-200:]}
+            if got.text in null_texts.get(got.id, ()):
+                explained.append({**row, "why": "the reference produced the same text in the null run"})
+            elif all(f.severity <= null_worst.get(f.kind, -1.0) for f in flags):
+                explained.append({**row, "why": "the null showed the same signatures at least as strongly"})
+            else:
+                n += 1
+                flagged.append(row)
+        per_batch.append({"batch": level.concurrency, "outputs": len(level.results), "flagged": n})
+    total = sum(r["outputs"] for r in per_batch)
+    unit = _pseudo_unit(signer)
+    summary = (f"no corruption signature beyond the null in {total} endpoint outputs"
+               + (f" ({len(explained)} explained by the null)" if explained else "")
+               if not flagged else
+               f"{len(flagged)} of {total} endpoint outputs show signatures their reference lacks and the null "
+               f"does not explain") + f"; tokens: {unit}"
+    figures = {"outputs_checked": total, "flagged": len(flagged), "explained_by_null": len(explained),
+               "null_flagged": len(null_flagged), "null_worst": null_worst, "tokens": unit,
+               "min_signature_tokens": MIN_SIGNATURE_TOKENS,
+               "test": "a signature the base output lacks, beyond what the null (the reference diverging from "
+                       "itself) shows: the same text, or the same kind of signature at least as strong, explains "
+                       "it; any unexplained flag fails",
+               "perplexity": "the reference's score of the reference's tokens"}
+    tables = [("Corruption: flagged outputs beside their reference", ["batch", "prompt", "signatures", "output",
+                                                                      "reference (base)"],
+               [[r["batch"], r["id"], "; ".join(r["signatures"]), r["text"], r["reference"]] for r in flagged[:20]])]
+    return CheckResult(not flagged, summary, figures,
+                       {"per_batch": per_batch, "flagged": flagged[:50], "explained": explained[:50],
+                        "null_flagged": null_flagged[:50], "tables": tables if flagged else []})
+
+
+def _pseudo_unit(signer: _Signer) -> str:
+    return "words, where the reference could not tokenize" if signer.words else signer.toks.unit

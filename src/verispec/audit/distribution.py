@@ -43,14 +43,22 @@ known in advance; the tests stay valid, as p is recomputed for exactly the emitt
 from __future__ import annotations
 
 import math
+import random
 import time
 
+import httpx
 import torch
 
 from ..engine import EngineConfig, Request
 from ..policy import FixedK
 from ..sampling import logits_to_probs
 from .checks import CheckResult
+from .endpoint import rescore
+from .endpoint.checks import EndpointAudit, EndpointError
+from .endpoint.client import EndpointRun
+from .endpoint.counters import SpecCounters
+from .endpoint.kinds import ServerInfo
+from .endpoint.sampled import DRAFTING_PROMPTS, distribution_figures, drafting_mix, sampled_run, sampler_settings
 from .consistency import oracle_for
 from .context import AuditContext
 from .equivalence import prefix_cache, teacher_forced_logits, tie_margin_for
@@ -537,3 +545,86 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     details = {"calibration_a": [round(a, 6) for a, _ in pooled.calib],
                "probe_a": [round(a, 6) for a, _ in pooled.probe_calib]}
     return CheckResult(passed, summary, figures, details)
+
+
+# -- from outside (endpoint mode: the state in endpoint/checks.py) ------------------------------
+def endpoint_distribution_check(a: EndpointAudit) -> CheckResult | None:
+    if not a.sampled_tokens:
+        return None
+    why_not = rescore.supported(a.info.kind, a.ref_info.kind if a.ref_info else None)
+    if a.score_with == "reference" and why_not:
+        raise EndpointError(f"--score-with reference: {why_not}")
+    sprompts = drafting_mix(a.prompts)
+    if a.seed:
+        random.Random(a.seed).shuffle(sprompts)
+    try:
+        if a.score_with != "endpoint" and not why_not:
+            a.srun = rescore.rescored_sampled_run(a.cfg, a.ref_cfg, sprompts, a.sampled_tokens, max(a.concurrency),
+                                                  scorer=a.score_with, kind=a.info.kind)
+        else:
+            a.srun = sampled_run(a.cfg, a.info.kind, sprompts, a.sampled_tokens, max(a.concurrency))
+    except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
+        raise EndpointError(f"the sampled run at {a.cfg.base}: {type(e).__name__}: {e}") from None
+    result = _endpoint_distribution(a.srun, a.sampled_tokens, a.info, a.min_verified_drafts,
+                                    None if a.score_with == "endpoint" or not why_not else why_not, a.seed)
+    a.sampling_sent = {"sent": result.figures["sampler_sent"], "top_logprobs": result.figures["top_logprobs"]}
+    return result
+
+
+def _phase_counters(srun: EndpointRun) -> SpecCounters | None:
+    """The endpoint's speculative counters summed over the sampled phase's rounds."""
+    total = None
+    for lv in srun.levels:
+        if lv.spec is not None and not lv.spec.from_gauges:
+            total = lv.spec if total is None else total.plus(lv.spec)
+    return total
+
+
+def _speculates(info: ServerInfo, counters: SpecCounters | None) -> bool | None:
+    """Whether the endpoint drafts, as it says itself (None: it does not say)."""
+    if info.kind == "verispec":
+        return bool(info.speculative.get("drafter"))
+    if info.kind == "llama.cpp" and info.speculative.get("slots") is not None:
+        return bool(info.speculative.get("slots_speculative"))
+    if counters is not None:  # vLLM publishes spec_decode counters only with a speculative config
+        return True
+    return None
+
+
+def _endpoint_distribution(srun: EndpointRun, budget: int, info: ServerInfo, min_drafts: int,
+                           no_reference: str | None = None, seed: int = 0) -> CheckResult:
+    """no_reference: why the tokens sent without logprobs could not be scored by the reference.
+    A speculative endpoint whose sampled phase verified fewer than min_drafts draft tokens
+    (its counters' difference over the phase) has not shown its verifier exact: inconclusive."""
+    f = distribution_figures(srun, seed=seed, min_tokens=min(200, budget))
+    if no_reference and f["tokens_without_logprobs"]:
+        f["reason"] = "; ".join(x for x in (f["reason"], f"not scored by a reference: {no_reference}") if x)
+    counters = _phase_counters(srun)
+    speculates = _speculates(info, counters)
+    drafts = int(counters.draft_tokens) if counters is not None and counters.draft_tokens is not None else None
+    f.update(verified_drafts=drafts if drafts is not None else "not published by the server",
+             min_verified_drafts=min_drafts if speculates else "-", speculative_server=speculates,
+             phase_counters=counters.to_dict() if counters else None)
+    if counters is not None and counters.draft_tokens:
+        f.update(acceptance_rate=counters.acceptance_rate, mean_accepted_length=counters.mean_acceptance_length)
+    if speculates and (drafts is None or drafts < min_drafts):
+        why = (f"inconclusive: the sampled phase verified {drafts} draft tokens (< {min_drafts}): the verifier "
+               "was hardly exercised" if drafts is not None else
+               "inconclusive: the server publishes no draft counters, so how many drafts the sampled phase "
+               "verified is unknown")
+        f["reason"] = "; ".join(x for x in (f["reason"], why) if x)
+        f["passed"] = False
+    conv = f["convention"]["endpoint"]
+    if f["p_value"] is None:
+        summary = f["reason"]
+    else:
+        summary = (f"randomised PIT over the top {conv['buckets']} + tail ({conv['name']}), {f['n']} tokens at T=1 "
+                   f"(every other sampler setting sent as off): KS p = {f['p_value']:.3g}, D = {f['ks_statistic']:.3f}"
+                   + (f"; {drafts} drafts verified in the phase"
+                      + (f", acceptance {f['acceptance_rate']:.1%}" if f.get("acceptance_rate") is not None else "")
+                      if drafts is not None else "")
+                   + (f"; {f['reason']}" if f["reason"] else "") + f"; scored with {f['scored_with']}")
+    f["sampler_sent"] = {"temperature": 1.0, **sampler_settings(info.kind)}
+    f["prompts"] = (f"the suite's prompts and {len(DRAFTING_PROMPTS)} copy-heavy prompts in turn (answers that "
+                    "copy their prompt, so that the drafter proposes)")
+    return CheckResult(f["passed"], summary, f, {"answers": f["answers"]})

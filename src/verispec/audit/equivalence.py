@@ -14,6 +14,9 @@ import torch
 from ..engine import PromptCache, Request
 from . import churn
 from .checks import CheckResult
+from .endpoint import null as endpoint_null
+from .endpoint.checks import EndpointAudit
+from .endpoint.client import EndpointRun
 from .stats import against_null
 
 if TYPE_CHECKING:  # annotations only
@@ -310,3 +313,70 @@ def null_findings(tie: dict, null: dict | None, what: str = "plain decoding") ->
                         f"(> {tie.get('ceiling', NOISE_CEILING):g}, more than rounding does): the batched path the "
                         "noise is measured on is itself suspect, and near-ties cannot be told from a broken batch")
     return failures, inconclusive
+
+
+# -- from outside (endpoint mode: the state in endpoint/checks.py) ------------------------------
+def endpoint_equivalence_check(a: EndpointAudit) -> CheckResult:
+    return _endpoint_equivalence(a.tests, a.nulls, a.base, a.reference_kind, a.ref_cfg is not None, a.alpha)
+
+
+def _endpoint_equivalence(tests: list[endpoint_null.Comparison], nulls: dict[int, endpoint_null.Comparison],
+                          base: EndpointRun, reference_kind: str, separable: bool, alpha: float) -> CheckResult:
+    v = endpoint_null.verdict(tests, nulls, alpha)
+    margins_known = base.logprobs
+    per_batch, rows = [], []
+    for t, lv in zip(tests, v["per_level"]):
+        counts = {"identical": sum(r["exact"] for r in t.rows),
+                  "near-tie": sum(r.get("verdict") == "near-tie" for r in t.rows)}
+        counts["divergence"] = len(t.rows) - counts["identical"] - counts["near-tie"]
+        n = len(t.rows)
+        per_batch.append({"batch": t.concurrency, "rows_decoded_together": min(t.concurrency, n), "prompts": n,
+                          "exact_match_rate": counts["identical"] / n if n else 0.0, **counts,
+                          "null_exact_match_rate": 1 - lv["null_rate"] if lv["null_rate"] is not None else None,
+                          **{k: lv[k] for k in ("null_divergences", "null_compared", "null_source", "fisher_p",
+                                                "alpha", "beyond_null", "margin_p", "errors", "reasons")},
+                          "passed": lv["passed"]})
+        rows += [{"batch": t.concurrency, **r} for r in t.rows]
+    null_rows = [{"batch": c, **r} for c, cmp in nulls.items() for r in cmp.rows]
+    failures = v["failures"]
+    summary = ("exact match (text) " + ", ".join(
+        f"c{r['batch']} {r['exact_match_rate']:.0%} (null {r['null_exact_match_rate']:.0%})"
+        if r["null_exact_match_rate"] is not None else f"c{r['batch']} {r['exact_match_rate']:.0%}"
+        for r in per_batch)
+        + (f"; null max margin {v['null_max_margin']:.3g}" if v["null_max_margin"] is not None
+           else "; the null never diverged" if margins_known else "; no logprobs: margins unknown")
+        + ("" if separable else "; NO reference: speculation not separable from batching")
+        + ("" if not failures else "; " + "; ".join(failures)))
+    figures = {"exact_match_by_batch": {str(r["batch"]): r["exact_match_rate"] for r in per_batch},
+               "null_exact_match_by_batch": {str(s["concurrency"]): 1 - s["divergence_rate"]
+                                             for s in v["null"] if s["divergence_rate"] is not None},
+               "min_exact_match": min(r["exact_match_rate"] for r in per_batch),
+               "divergences": sum(r["divergence"] for r in per_batch),
+               "near_ties": sum(r["near-tie"] for r in per_batch),
+               "null_divergences": sum(s["divergences"] for s in v["null"]),
+               "null_max_margin": v["null_max_margin"], "null_margins": v["null_margins"],
+               "test": f"per level: one-sided Fisher exact test on divergence counts, and an exact exceedance "
+                       f"test of margins beyond the null's largest (alpha {alpha:g} over {2 * len(tests)} tests)",
+               "alpha": alpha,
+               "exact_match_threshold": min((r["null_exact_match_rate"] for r in per_batch
+                                             if r["null_exact_match_rate"] is not None), default=1.0),
+               "prompts": len(base.levels[0].results), "reference": reference_kind, "separable": separable,
+               "compared_on": "text (batch = concurrent clients)", "reference_logprobs": margins_known}
+    if not separable:
+        figures["not_separable"] = ("no non-speculative reference: a divergence under load may be speculation "
+                                    "or the server's batching numerics; only load invariance was tested")
+    tables = [("Equivalence: null baseline (reference vs itself) beside the endpoint",
+               ["batch", "endpoint divergences", "null divergences", "null source", "Fisher p",
+                "beyond null's max margin", "exceedance p", "alpha", "failed requests", "passed"],
+               [[r["batch"], f"{r['divergence']+r['near-tie']}/{r['prompts']}",
+                 f"{r['null_divergences']}/{r['null_compared']}", r["null_source"], f"{r['fisher_p']:.3g}",
+                 r["beyond_null"], f"{r['margin_p']:.3g}", f"{r['alpha']:.3g}", r["errors"], r["passed"]]
+                for r in per_batch]),
+              ("Equivalence: null divergences (top-2 margin of the base at the first divergence)",
+               ["batch", "prompt", "slice", "first divergence", "top-2 margin"],
+               [[r["batch"], r["id"], r["slice"], r["first_divergence"],
+                 "-" if r["margin"] is None else f"{r['margin']:.3g}"]
+                for r in null_rows if not r["exact"] and r["error"] is None][:40])]
+    return CheckResult(not failures, summary, figures,
+                       {"per_batch": per_batch, "prompts": rows, "null_prompts": null_rows, "null": v["null"],
+                        "tables": tables})

@@ -22,8 +22,10 @@ from ..engine import GenerationParams, PromptCache, Request
 from ..policy import PolicyWrapper
 from .checks import CheckResult
 from .context import AuditContext, encode
-from .speed import interval_figures, predicted_from_costs, verdict_counts
-from .stats import speedup_interval
+from .endpoint.checks import EndpointAudit
+from .endpoint.client import EndpointRun, LevelRun
+from .speed import interval_figures, predicted_from_costs, tokens_per_pass, verdict_counts
+from .stats import predicted_speedup, speedup_interval
 from .suite import slices
 
 
@@ -174,3 +176,61 @@ def load_check(ctx: AuditContext) -> CheckResult:
                "predicted_from": "tokens per target pass and the cost model's target and draft costs at the "
                                  "point's batch size"}
     return CheckResult(True, "; ".join(words), figures, {"points": points}, informational=True)
+
+
+# -- from outside (endpoint mode: the state in endpoint/checks.py) ------------------------------
+def endpoint_load_check(a: EndpointAudit) -> CheckResult:
+    return _endpoint_load(a.run, a.reference)
+
+
+def _wave_pairs(lv: LevelRun, ref: LevelRun | None) -> list[tuple[float, float]]:
+    """(plain, speculative) seconds per token of each wave both sides answered in full: the
+    wave's wall time over its completion tokens."""
+    if ref is None or not lv.waves or not lv.wave_walls or ref.waves != lv.waves or not ref.wave_walls:
+        return []
+    out = []
+    for idx, wall, ref_wall in zip(lv.waves, lv.wave_walls, ref.wave_walls):
+        got, base = [lv.results[i] for i in idx], [ref.results[i] for i in idx]
+        if all(r.ok and r.completion_tokens for r in got + base):
+            out.append((ref_wall / sum(r.completion_tokens for r in base),
+                        wall / sum(r.completion_tokens for r in got)))
+    return out
+
+
+def _endpoint_load(run: EndpointRun, reference: EndpointRun | None) -> CheckResult:
+    ref_by_c = {lv.concurrency: lv for lv in reference.levels} if reference else {}
+    points = []
+    for lv in run.levels:
+        ok = [r for r in lv.results if r.ok]
+        ref = ref_by_c.get(lv.concurrency)
+        s_tps = lv.completion_tokens / lv.wall_s if lv.wall_s else None
+        p_tps = ref.completion_tokens / ref.wall_s if ref and ref.wall_s else None
+
+        def ms_per_token(results):
+            v = [1000 * r.latency_s / r.completion_tokens for r in results if r.ok and r.completion_tokens]
+            return sum(v) / len(v) if v else None
+        mal = tokens_per_pass(lv.spec) if lv.spec and not lv.spec.from_gauges else None
+        pairs = _wave_pairs(lv, ref)
+        sp = speedup_interval([p for p, _ in pairs], [s for _, s in pairs]) if pairs else None
+        points.append({"batch": lv.concurrency,
+                       "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok) / len(ok) if ok else 0,
+                       "plain_tokens_per_s": p_tps, "speculative_tokens_per_s": s_tps,
+                       "plain_ms_per_token": ms_per_token(ref.results) if ref else None,
+                       "speculative_ms_per_token": ms_per_token(lv.results),
+                       "mean_accepted_length": mal, **interval_figures(sp, predicted_speedup(mal)),
+                       "server_counters": lv.spec.to_dict() if lv.spec else None})
+    below = [p["batch"] for p in points if p["speedup"] is not None and p["speedup"] < 1]
+    summary = ("throughput per load level: " + ", ".join(
+        f"c{p['batch']} {p['speculative_tokens_per_s'] or 0:.1f} tok/s"
+        + (f" ({p['speedup_text']})" if p["speedup"] else "") for p in points)
+        + (f"; slower than the reference from concurrency {below[0]}" if below else ""))
+    counts = verdict_counts(points)
+    if counts:
+        summary += f"; of {len(points)} levels {counts}"
+    return CheckResult(True, summary,
+                       {"crossover_concurrency": below[0] if below else None,
+                        "verdicts": {"short": {str(p["batch"]): p["verdict"] for p in points}},
+                        "pairs": "one per wave: its wall time per completion token, endpoint and reference",
+                        "interval": "95% t interval of the mean log ratio over the waves",
+                        "predicted_from": "tokens per target pass: an upper bound (the server's step costs are not known)"},
+                       {"points": {"short": points}}, informational=True)

@@ -198,8 +198,8 @@ def _slices_headline(c: CheckResult) -> list[tuple[str, str]]:
     odd = [f"{len(f[k])} {w}" for k, w in (("noise_slices", "noise"), ("unresolved_slices", "not resolved"))
            if f.get(k)]
     return [("Speedup at batch 1 (pooled)", f"{pooled['speedup_text']}, {_f(f['pooled_mean_accepted_length'])} "
-                                            f"tokens/target pass; best {f['best_slice'] or '-'}, worst "
-                                            f"{f['worst_slice'] or '-'}"
+                                            f"tokens/target pass; "
+                                            + speed.ranking_text(rows, f["best_slice"], f["worst_slice"], speedups=False)
              + (f"; of {len(rows)} slices " + ", ".join(odd) if odd else ""))]
 
 
