@@ -253,43 +253,8 @@ def _endpoint_corruption(run: EndpointRun, refs: list[PromptResult], null_runs: 
     unless the null explains it: the reference itself produced the same text for that prompt
     (at any level, in any null run), or a null output showed the same kind of signature at
     least as strongly. The check fails on any flag the null does not explain."""
-    null_texts: dict[str, set] = {}
-    null_worst: dict[str, float] = {}  # signature kind -> the null's strongest
-    null_flagged = []
-    for nr in null_runs:
-        for level in nr.levels:
-            for ref, got in zip(refs, level.results):
-                if not ref.ok or not got.ok:
-                    continue
-                null_texts.setdefault(got.id, set()).add(got.text)
-                if got.text == ref.text:
-                    continue
-                flags = signature_flags(signer(got.id, got, True), signer(ref.id, ref, True), MIN_SIGNATURE_TOKENS)
-                for f in flags:
-                    null_worst[f.kind] = max(null_worst.get(f.kind, 0.0), f.severity)
-                if flags:
-                    null_flagged.append({"batch": level.concurrency, "id": got.id, "signatures": [f.message for f in flags],
-                                         "text": (got.text or "")[-200:], "reference": (ref.text or "")[-200:]})
-    flagged, explained, per_batch = [], [], []
-    for level in run.levels:
-        n = 0
-        for ref, got in zip(refs, level.results):
-            if not ref.ok or not got.ok or got.text == ref.text:
-                continue
-            flags = signature_flags(signer(got.id, got, True), signer(ref.id, ref, True), MIN_SIGNATURE_TOKENS)
-            if not flags:
-                continue
-            row = {"batch": level.concurrency, "id": got.id, "slice": got.slice,
-                   "signatures": [f.message for f in flags], "text": (got.text or "")[-200:],
-                   "reference": (ref.text or "")[-200:]}
-            if got.text in null_texts.get(got.id, ()):
-                explained.append({**row, "why": "the reference produced the same text in the null run"})
-            elif all(f.severity <= null_worst.get(f.kind, -1.0) for f in flags):
-                explained.append({**row, "why": "the null showed the same signatures at least as strongly"})
-            else:
-                n += 1
-                flagged.append(row)
-        per_batch.append({"batch": level.concurrency, "outputs": len(level.results), "flagged": n})
+    null_texts, null_worst, null_flagged = _null_signatures(refs, null_runs, signer)
+    flagged, explained, per_batch = _judge_outputs(run, refs, signer, null_texts, null_worst)
     total = sum(r["outputs"] for r in per_batch)
     unit = _pseudo_unit(signer)
     summary = (f"no corruption signature beyond the null in {total} endpoint outputs"
@@ -310,6 +275,56 @@ def _endpoint_corruption(run: EndpointRun, refs: list[PromptResult], null_runs: 
     return CheckResult(not flagged, summary, figures,
                        {"per_batch": per_batch, "flagged": flagged[:50], "explained": explained[:50],
                         "null_flagged": null_flagged[:50], "tables": tables if flagged else []})
+
+
+def _null_signatures(refs: list[PromptResult], null_runs: list[EndpointRun], signer: _Signer):
+    """The null's texts per prompt, its strongest signature per kind, and its flagged outputs:
+    the reference's outputs that differ from the same base, which explain the endpoint's."""
+    null_texts: dict[str, set] = {}
+    null_worst: dict[str, float] = {}  # signature kind -> the null's strongest
+    null_flagged = []
+    for nr in null_runs:
+        for level in nr.levels:
+            for ref, got in zip(refs, level.results):
+                if not ref.ok or not got.ok:
+                    continue
+                null_texts.setdefault(got.id, set()).add(got.text)
+                if got.text == ref.text:
+                    continue
+                flags = signature_flags(signer(got.id, got, True), signer(ref.id, ref, True), MIN_SIGNATURE_TOKENS)
+                for f in flags:
+                    null_worst[f.kind] = max(null_worst.get(f.kind, 0.0), f.severity)
+                if flags:
+                    null_flagged.append({"batch": level.concurrency, "id": got.id, "signatures": [f.message for f in flags],
+                                         "text": (got.text or "")[-200:], "reference": (ref.text or "")[-200:]})
+    return null_texts, null_worst, null_flagged
+
+
+def _judge_outputs(run: EndpointRun, refs: list[PromptResult], signer: _Signer, null_texts: dict,
+                   null_worst: dict):
+    """The endpoint's outputs that differ from the base: flagged, or explained by the null (and
+    why), and the flagged count per level."""
+    flagged, explained, per_batch = [], [], []
+    for level in run.levels:
+        n = 0
+        for ref, got in zip(refs, level.results):
+            if not ref.ok or not got.ok or got.text == ref.text:
+                continue
+            flags = signature_flags(signer(got.id, got, True), signer(ref.id, ref, True), MIN_SIGNATURE_TOKENS)
+            if not flags:
+                continue
+            row = {"batch": level.concurrency, "id": got.id, "slice": got.slice,
+                   "signatures": [f.message for f in flags], "text": (got.text or "")[-200:],
+                   "reference": (ref.text or "")[-200:]}
+            if got.text in null_texts.get(got.id, ()):
+                explained.append({**row, "why": "the reference produced the same text in the null run"})
+            elif all(f.severity <= null_worst.get(f.kind, -1.0) for f in flags):
+                explained.append({**row, "why": "the null showed the same signatures at least as strongly"})
+            else:
+                n += 1
+                flagged.append(row)
+        per_batch.append({"batch": level.concurrency, "outputs": len(level.results), "flagged": n})
+    return flagged, explained, per_batch
 
 
 def _pseudo_unit(signer: _Signer) -> str:

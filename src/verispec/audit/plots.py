@@ -34,6 +34,51 @@ def equivalence(plt, res: CheckResult | None):
     return fig
 
 
+def _pit_panel(ax, name: str, t: dict | None) -> None:
+    """One PIT family's histogram against its uniform expectation (+-2 sd)."""
+    if t is None or not t.get("histogram"):
+        ax.text(0.5, 0.5, f"{name}: not tested", ha="center", va="center", fontsize=9)
+        ax.set_axis_off()
+        return
+    hist = t["histogram"]
+    width = 1 / len(hist)
+    ax.bar([i * width for i in range(len(hist))], hist, width=width, align="edge",
+           color="#1565c0" if t["passed"] else "#c62828", edgecolor="white")
+    expect, sd = t["n"] / len(hist), (t["n"] * width * (1 - width)) ** 0.5
+    ax.axhline(expect, color="k", lw=1)
+    ax.axhspan(expect - 2 * sd, expect + 2 * sd, color="k", alpha=0.08)
+    ax.set_title(f"{name}: KS p = {t['p_value']:.3g}, n = {t['n']}", fontsize=8)
+    ax.set_xlabel("u (CDF over descending p)", fontsize=8)
+    ax.tick_params(labelsize=7)
+
+
+def _calibration_panel(ax, tests: dict) -> None:
+    """The calibration family: kept rate against exact acceptance (min(1, p/q)), the deployed
+    drafter's drafts and the probe's."""
+    cal = [(name, tests[name]) for name in ("calibration", "probe-calibration")
+           if name in tests and tests[name].get("bins")]
+    if cal:
+        ax.plot([0, 1], [0, 1], color="k", lw=1)
+        titles = []
+        for (name, t), marker, ok in zip(cal, ("o", "s"), ("#1565c0", "#ef6c00")):
+            bins = t["bins"]
+            ax.scatter([b["mean_a"] for b in bins], [b["kept_rate"] for b in bins], marker=marker,
+                       s=[8 + 40 * b["n"] / max(x["n"] for x in bins) for b in bins],
+                       color=ok if t["passed"] else "#c62828",
+                       label=f"{'drafter' if name == 'calibration' else 'probe'}: n = {t['n']}")
+            titles.append(f"{'drafter' if name == 'calibration' else 'probe'} z = {t['statistic']:+.2f}")
+        ax.set_title("calibration: " + ", ".join(titles), fontsize=8)
+        ax.legend(fontsize=7, loc="upper left")
+        ax.set_xlabel("exact acceptance min(1, p/q)", fontsize=8)
+        ax.set_ylabel("kept", fontsize=8)
+        ax.set_xlim(0, 1.02)
+        ax.set_ylim(0, 1.02)
+        ax.tick_params(labelsize=7)
+    else:
+        ax.text(0.5, 0.5, "calibration: no verified drafts", ha="center", va="center", fontsize=9)
+        ax.set_axis_off()
+
+
 def pit(plt, res: CheckResult | None):
     """The PIT histograms, one panel per test family, and the calibration curve."""
     tests = {t["test"]: t for t in (res.figures.get("tests") or [])} if res is not None else {}
@@ -42,44 +87,8 @@ def pit(plt, res: CheckResult | None):
         # the engine's families (recovered, bonus), or from outside the drafted positions' own PIT
         panels = ("pit", "pit-drafted", "recovered") if "pit-drafted" in tests else ("pit", "recovered", "bonus")
         for ax, name in zip(axes.flat[:3], panels):
-            t = tests.get(name)
-            if t is None or not t.get("histogram"):
-                ax.text(0.5, 0.5, f"{name}: not tested", ha="center", va="center", fontsize=9)
-                ax.set_axis_off()
-                continue
-            hist = t["histogram"]
-            width = 1 / len(hist)
-            ax.bar([i * width for i in range(len(hist))], hist, width=width, align="edge",
-                   color="#1565c0" if t["passed"] else "#c62828", edgecolor="white")
-            expect, sd = t["n"] / len(hist), (t["n"] * width * (1 - width)) ** 0.5
-            ax.axhline(expect, color="k", lw=1)
-            ax.axhspan(expect - 2 * sd, expect + 2 * sd, color="k", alpha=0.08)
-            ax.set_title(f"{name}: KS p = {t['p_value']:.3g}, n = {t['n']}", fontsize=8)
-            ax.set_xlabel("u (CDF over descending p)", fontsize=8)
-            ax.tick_params(labelsize=7)
-        ax = axes.flat[3]  # the calibration family: the deployed drafter's drafts and the probe's
-        cal = [(name, tests[name]) for name in ("calibration", "probe-calibration")
-               if name in tests and tests[name].get("bins")]
-        if cal:
-            ax.plot([0, 1], [0, 1], color="k", lw=1)
-            titles = []
-            for (name, t), marker, ok in zip(cal, ("o", "s"), ("#1565c0", "#ef6c00")):
-                bins = t["bins"]
-                ax.scatter([b["mean_a"] for b in bins], [b["kept_rate"] for b in bins], marker=marker,
-                           s=[8 + 40 * b["n"] / max(x["n"] for x in bins) for b in bins],
-                           color=ok if t["passed"] else "#c62828",
-                           label=f"{'drafter' if name == 'calibration' else 'probe'}: n = {t['n']}")
-                titles.append(f"{'drafter' if name == 'calibration' else 'probe'} z = {t['statistic']:+.2f}")
-            ax.set_title("calibration: " + ", ".join(titles), fontsize=8)
-            ax.legend(fontsize=7, loc="upper left")
-            ax.set_xlabel("exact acceptance min(1, p/q)", fontsize=8)
-            ax.set_ylabel("kept", fontsize=8)
-            ax.set_xlim(0, 1.02)
-            ax.set_ylim(0, 1.02)
-            ax.tick_params(labelsize=7)
-        else:
-            ax.text(0.5, 0.5, "calibration: no verified drafts", ha="center", va="center", fontsize=9)
-            ax.set_axis_off()
+            _pit_panel(ax, name, tests.get(name))
+        _calibration_panel(axes.flat[3], tests)  # the deployed drafter's drafts and the probe's
         fig.tight_layout()
     else:
         fig, ax = plt.subplots(figsize=(6, 3.4))
