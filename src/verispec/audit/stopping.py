@@ -72,10 +72,9 @@ def _near_tie_flip(ctx: AuditContext, i: int, want: list[int], got: list[int], t
     return top2_margin(reference_logits_at(ctx.model, ctx.prompt_ids[i], want, d)) < tie_margin
 
 
-def stopping_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
-    cfg = ctx.config
-    b = max(cfg.greedy_batch_sizes)
-    spec_b = runs.speculative[b]
+def _cases(ctx: AuditContext, runs: GreedyRuns, spec_b: list) -> list[tuple]:
+    """The cut requests: (prompt index, params, expected output, expected finish reason), each
+    reference output cut by a stop token and by a length limit where the greedy runs agree."""
     cases = []  # (prompt index, params, expected output, expected finish reason)
     forced = runs.forced[1] if runs.forced is not None else spec_b
     for i, (ref, got, got_forced) in enumerate(zip(runs.reference, spec_b, forced)):
@@ -92,6 +91,43 @@ def stopping_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
                       "stop"))
         if all(t not in ctx.stops for t in out[:m]):
             cases.append((i, GenerationParams(max_new_tokens=m, stop_token_ids=ctx.stops), out[:m], "length"))
+    return cases
+
+
+def _run_config(ctx: AuditContext, cases: list[tuple], b: int, max_len: int, policy, label: str, tie: dict,
+                noisy: bool, bad: list, excused: list) -> dict:
+    """The cut requests under one policy at batch b: its row of counts; wrong and excused
+    requests go to bad and excused."""
+    reqs = [Request(ctx.prompt_ids[i], params) for i, params, _, _ in cases]
+    with ctx.progress.stage(f"stopping: speculative, {label}, b={b}", len(reqs)) as bar:
+        ctx.engine(min(b, len(reqs)), max_len, policy=policy).run(reqs, on_finish=lambda r: bar.advance())
+    wrong = inside = limits = near = 0
+    for (i, params, want, reason), r in zip(cases, reqs):
+        ok = r.output_ids == want and r.finish_reason == reason
+        if not ok and noisy and _near_tie_flip(ctx, i, want, r.output_ids, tie["value"]):
+            near += 1  # the output changed before the cut, at a near-tie: numerics, not a stop
+            excused.append({"policy": label, "id": ctx.prompts[i].id,
+                            "first_divergence": first_divergence(want, r.output_ids)})
+            continue
+        if reason == "stop":
+            inside += _inside_drafts(r)
+        else:
+            limits += _limit_in_drafted_step(r)
+        if not ok:
+            wrong += 1
+            bad.append({"policy": label, "id": ctx.prompts[i].id, "expected_reason": reason,
+                        "got_reason": r.finish_reason, "expected_tokens": len(want),
+                        "got_tokens": len(r.output_ids), "first_divergence": first_divergence(want, r.output_ids)})
+    return {"batch": b, "policy": label, "cases": len(reqs), "wrong": wrong, "near_ties": near,
+            "stops_inside_drafts": inside, "limits_in_drafted_steps": limits,
+            "drafted": sum(r.stats.drafted for r in reqs)}
+
+
+def stopping_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
+    cfg = ctx.config
+    b = max(cfg.greedy_batch_sizes)
+    spec_b = runs.speculative[b]
+    cases = _cases(ctx, runs, spec_b)
     if not cases:
         return CheckResult(False, "INCONCLUSIVE: no reference output long enough to cut",
                            {"cases": 0})
@@ -106,29 +142,7 @@ def stopping_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
     tie = tie_margin_for(ctx.model)
     noisy = "noise_top2_gap" in tie and not cfg.batch_invariant
     for policy, label in configs:
-        reqs = [Request(ctx.prompt_ids[i], params) for i, params, _, _ in cases]
-        with ctx.progress.stage(f"stopping: speculative, {label}, b={b}", len(reqs)) as bar:
-            ctx.engine(min(b, len(reqs)), max_len, policy=policy).run(reqs, on_finish=lambda r: bar.advance())
-        wrong = inside = limits = near = 0
-        for (i, params, want, reason), r in zip(cases, reqs):
-            ok = r.output_ids == want and r.finish_reason == reason
-            if not ok and noisy and _near_tie_flip(ctx, i, want, r.output_ids, tie["value"]):
-                near += 1  # the output changed before the cut, at a near-tie: numerics, not a stop
-                excused.append({"policy": label, "id": ctx.prompts[i].id,
-                                "first_divergence": first_divergence(want, r.output_ids)})
-                continue
-            if reason == "stop":
-                inside += _inside_drafts(r)
-            else:
-                limits += _limit_in_drafted_step(r)
-            if not ok:
-                wrong += 1
-                bad.append({"policy": label, "id": ctx.prompts[i].id, "expected_reason": reason,
-                            "got_reason": r.finish_reason, "expected_tokens": len(want),
-                            "got_tokens": len(r.output_ids), "first_divergence": first_divergence(want, r.output_ids)})
-        per_config.append({"batch": b, "policy": label, "cases": len(reqs), "wrong": wrong, "near_ties": near,
-                           "stops_inside_drafts": inside, "limits_in_drafted_steps": limits,
-                           "drafted": sum(r.stats.drafted for r in reqs)})
+        per_config.append(_run_config(ctx, cases, b, max_len, policy, label, tie, noisy, bad, excused))
     inside = sum(c["stops_inside_drafts"] for c in per_config)
     limits = sum(c["limits_in_drafted_steps"] for c in per_config)
     wrong = sum(c["wrong"] for c in per_config)
