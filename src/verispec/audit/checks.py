@@ -159,7 +159,7 @@ def run_checks(mode: str, audit, *, only: tuple[str, ...] = (), fail_fast: bool 
     to ``audit.skipped``. A check whose code raises becomes an ``error`` result and the
     loop goes on: one broken check never costs the report of the others.
 
-    audit: the mode's state (runner.EngineAudit, endpoint.checks.EndpointAudit), which
+    audit: the mode's state (runner.EngineAudit, endpoint.state.EndpointAudit), which
     each check reads; it has ``results``, ``skipped`` and ``greedy_error`` (why the greedy
     runs failed, or None)."""
     for check in checks_for(mode):

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .checks import CheckResult
-from .endpoint.checks import EndpointAudit
+from .endpoint.state import EndpointAudit
 from .endpoint.client import EndpointRun, PromptResult
 from .endpoint.tokens import ReferenceTokens
 from .equivalence import prefix_cache, teacher_forced_logits
@@ -197,7 +197,7 @@ def corruption_check(ctx, runs) -> CheckResult:
                        {"per_batch": per_batch, "flagged": flagged[:50]})
 
 
-# -- from outside (endpoint mode: the state in endpoint/checks.py) ------------------------------
+# -- from outside (endpoint mode: the state in endpoint/state.py) ------------------------------
 def endpoint_corruption_check(a: EndpointAudit) -> CheckResult:
     toks = ReferenceTokens(a.ref_cfg or a.cfg, a.ref_info.kind if a.ref_info else a.info.kind)
     try:

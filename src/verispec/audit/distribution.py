@@ -54,7 +54,7 @@ from ..policy import FixedK
 from ..sampling import logits_to_probs
 from .checks import CheckResult
 from .endpoint import rescore
-from .endpoint.checks import EndpointAudit, EndpointError
+from .endpoint.state import EndpointAudit, EndpointError
 from .endpoint.client import EndpointRun
 from .endpoint.counters import SpecCounters
 from .endpoint.kinds import ServerInfo
@@ -547,7 +547,7 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     return CheckResult(passed, summary, figures, details)
 
 
-# -- from outside (endpoint mode: the state in endpoint/checks.py) ------------------------------
+# -- from outside (endpoint mode: the state in endpoint/state.py) ------------------------------
 def endpoint_distribution_check(a: EndpointAudit) -> CheckResult | None:
     if not a.sampled_tokens:
         return None

@@ -15,7 +15,7 @@ from ..engine import PromptCache, Request
 from . import churn
 from .checks import CheckResult
 from .endpoint import null as endpoint_null
-from .endpoint.checks import EndpointAudit
+from .endpoint.state import EndpointAudit
 from .endpoint.client import EndpointRun
 from .stats import against_null
 
@@ -315,7 +315,7 @@ def null_findings(tie: dict, null: dict | None, what: str = "plain decoding") ->
     return failures, inconclusive
 
 
-# -- from outside (endpoint mode: the state in endpoint/checks.py) ------------------------------
+# -- from outside (endpoint mode: the state in endpoint/state.py) ------------------------------
 def endpoint_equivalence_check(a: EndpointAudit) -> CheckResult:
     return _endpoint_equivalence(a.tests, a.nulls, a.base, a.reference_kind, a.ref_cfg is not None, a.alpha)
 

@@ -22,7 +22,7 @@ from ..engine import GenerationParams, PromptCache, Request
 from ..policy import PolicyWrapper
 from .checks import CheckResult
 from .context import AuditContext, encode
-from .endpoint.checks import EndpointAudit
+from .endpoint.state import EndpointAudit
 from .endpoint.client import EndpointRun, LevelRun
 from .speed import interval_figures, predicted_from_costs, tokens_per_pass, verdict_counts
 from .stats import predicted_speedup, speedup_interval
@@ -178,7 +178,7 @@ def load_check(ctx: AuditContext) -> CheckResult:
     return CheckResult(True, "; ".join(words), figures, {"points": points}, informational=True)
 
 
-# -- from outside (endpoint mode: the state in endpoint/checks.py) ------------------------------
+# -- from outside (endpoint mode: the state in endpoint/state.py) ------------------------------
 def endpoint_load_check(a: EndpointAudit) -> CheckResult:
     return _endpoint_load(a.run, a.reference)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..verify import LOSSY_RULES
 from .checks import CheckResult
-from .endpoint.checks import EndpointAudit
+from .endpoint.state import EndpointAudit
 
 
 def lossy_rule_check(config) -> CheckResult:

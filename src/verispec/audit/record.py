@@ -15,7 +15,7 @@ import torch
 
 from .checks import CheckResult
 from .context import AuditContext
-from .endpoint.checks import EndpointAudit
+from .endpoint.state import EndpointAudit
 from .endpoint.kinds import ServerInfo
 
 PACKAGES = ("verispec", "torch", "transformers", "tokenizers", "safetensors", "numpy", "scipy")
@@ -122,7 +122,7 @@ def record_check(rec: dict) -> CheckResult:
     return CheckResult(True, summary, figures, informational=True)
 
 
-# -- from outside (endpoint mode: the state in endpoint/checks.py) ------------------------------
+# -- from outside (endpoint mode: the state in endpoint/state.py) ------------------------------
 def endpoint_record_check(a: EndpointAudit) -> CheckResult:
     record = _endpoint_record(a.run or a.srun or a.floor_run, a.reference, a.info, a.ref_info, a.reference_kind,
                               a.prompts, a.chat, a.max_tokens, a.concurrency, a.suite_spec, a.suite_size, a.started)

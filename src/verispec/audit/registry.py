@@ -1,5 +1,5 @@
 """The built-in checks, in report order: how each runs in the offline audit (engine mode,
-runner.EngineAudit) and from outside (endpoint mode, endpoint.checks.EndpointAudit), and how
+runner.EngineAudit) and from outside (endpoint mode, endpoint.state.EndpointAudit), and how
 the report shows its result. checks.py says what a check is; report.py renders whatever
 is registered here.
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from ..engine import GenerationParams, Request
 from .checks import CheckResult
 from .context import AuditContext, GreedyRuns
-from .endpoint.checks import EndpointAudit
+from .endpoint.state import EndpointAudit
 from .endpoint.client import EndpointRun, PromptResult
 from .endpoint.counters import SpecCounters
 from .stats import Speedup, judge_speedup, predicted_speedup, speedup_interval, speedup_text
@@ -201,7 +201,7 @@ def slices_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
     return CheckResult(True, summary, figures, {"slices": rows, "pooled": pooled}, informational=True)
 
 
-# -- from outside (endpoint mode: the state in endpoint/checks.py) ------------------------------
+# -- from outside (endpoint mode: the state in endpoint/state.py) ------------------------------
 def endpoint_slices_check(a: EndpointAudit) -> CheckResult:
     return _endpoint_slices(a.run, a.reference, a.speed_runs)
 

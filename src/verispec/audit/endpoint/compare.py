@@ -236,7 +236,7 @@ def _fmt_change(m: dict) -> str:
 
 def gate_check(a, equivalence: str) -> CheckResult | None:
     """--compare-to: the re-test gate, on the endpoint audit's report as the checks before it
-    left it (endpoint.checks.EndpointAudit); not applicable without an earlier report."""
+    left it (endpoint.state.EndpointAudit); not applicable without an earlier report."""
     if a.previous is None:
         return None
     return comparison_check(compare_reports(a.previous, a.report(0.0), equivalence))
@@ -263,5 +263,5 @@ def comparison_check(cmp: dict) -> CheckResult:
                ["batch", "before", "now", "Fisher p (rose)"],
                [[e["batch"], f"{e['old_divergences']}/{e['old_prompts']}", f"{e['new_divergences']}/{e['new_prompts']}",
                  f"{e['fisher_p']:.3g}"] for e in cmp["equivalence"]])]
-    return CheckResult(cmp["passed"], summary, {k: v for k, v in cmp.items() if k not in ("levels", "slices")},
-                       {"levels": cmp["levels"], "slices": cmp["slices"], "tables": tables})
+    details = {"levels": cmp["levels"], "slices": cmp["slices"], "tables": tables}
+    return CheckResult(cmp["passed"], summary, {k: v for k, v in cmp.items() if k not in details}, details)

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, replace
 
 from ..checks import ENDPOINT, checks_for, run_checks, selectable
-from .checks import MIN_VERIFIED_DRAFTS, EndpointAudit, EndpointError
+from .state import MIN_VERIFIED_DRAFTS, EndpointAudit, EndpointError
 from .client import EndpointConfig
 from .compare import CompareError, load_report
 from .kinds import ServerInfo, probe
