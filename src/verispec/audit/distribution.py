@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import dataclass
 
 import httpx
 import torch
@@ -61,7 +62,7 @@ from .endpoint.kinds import ServerInfo
 from .endpoint.sampled import DRAFTING_PROMPTS, distribution_figures, drafting_mix, sampled_run, sampler_settings
 from .consistency import oracle_for
 from .context import AuditContext
-from .equivalence import prefix_cache, teacher_forced_logits, tie_margin_for
+from .equivalence import prefix_cache, teacher_forced_logits, tie_margin_for, tree_steps
 from .probe import nucleus_q, probe_drafter
 from .stats import calibration_test, randomized_pit, relaxed_power, tail_test, test_uniform
 
@@ -70,7 +71,7 @@ TAIL = 0.01  # the PIT tail tests: share of u above 1 - TAIL
 MIN_TOKENS_PER_PIT = 20  # a PIT family with fewer tokens is not run (and not counted in m)
 
 
-def _sample(ctx: AuditContext, reqs: list[Request], batch: int, max_len: int, policy, label: str) -> float:
+def _run_sampled(ctx: AuditContext, reqs: list[Request], batch: int, max_len: int, policy, label: str) -> float:
     engine = ctx.engine(batch, max_len, policy=policy)
     t0 = time.perf_counter()
     with ctx.progress.stage(f"distribution: sampling, {label}", len(reqs)) as bar:
@@ -385,9 +386,73 @@ def _power_txt(power: dict) -> str:
             f"{pc('deployed')}, probe alone {pc('probe')}, together {pc('both')}")
 
 
+@dataclass(frozen=True)
+class _Sampled:
+    """The sampled requests, run (the audited settings in turn), and the calibration probe's."""
+
+    reqs: list[Request]
+    max_new: int
+    batch: int
+    forced: bool  # half the requests ran with drafting forced (the deployed policy is not fixed)
+    seconds: float  # sampling the requests (the probe aside)
+    probe: list[tuple[float, list[tuple[int, Request]]]]  # (nucleus mass, [(setting index, request)])
+    probe_s: float
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    """The evidence the teacher-forced p (and the recomputed q) give: pooled, per setting,
+    and by the code path that produced it (source -> (pooled, per setting))."""
+
+    pooled: _Evidence
+    per: list[_Evidence]
+    by_source: dict[str, tuple[_Evidence, list[_Evidence]]]
+    margin: float  # the backend's tie margin: the outside-support count's allowance
+    oracle: object  # the drafter's q, recomputed (consistency.oracle_for)
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """The tests with their alpha and attribution, the calibration tests' power, and what
+    they conclude."""
+
+    tests: list[dict]
+    m: int  # tests with data (Bonferroni's count; the impossible events' counts aside)
+    alpha_each: float
+    paths: dict[str, dict[str, str]]
+    power: dict[str, dict[str, float]]
+    verified: int  # the deployed drafter's verified drafts
+    failed: list[str]
+    inconclusive: bool
+
+    @property
+    def passed(self) -> bool:
+        return not self.failed and not self.inconclusive
+
+
 def distribution_check(ctx: AuditContext) -> CheckResult:
+    """Sample, teacher-force the target for p, run the tests (module docstring), attribute
+    them to their code paths, state their power and each setting's share, and sum up."""
+    cfg = ctx.config
+    sampled = _sample(ctx)
+    ev = _teacher_force(ctx, sampled)
+    verdict = _verdict(ctx, sampled, ev)
+    share = _shares(cfg, sampled, ev.per, verdict.tests)
+    pit = test_uniform(ev.by_source["deployed"][0].family("pit").numpy())  # the headline: the deployed drafter's
+    trees = tree_steps(sampled.reqs)  # draft-tree steps: their tokens are in the PIT (the walk draws from p)
+    summary = _summary(cfg, verdict, share, pit, trees)
+    figures = _figures(cfg, sampled, ev, verdict, share, pit, trees)
+    # every verified draft's exact acceptance probability: what benchmarks/audit_power.py
+    # replays to measure this check's power against relaxed acceptance rules
+    details = {"calibration_a": [round(a, 6) for a, _ in ev.pooled.calib],
+               "probe_a": [round(a, 6) for a, _ in ev.pooled.probe_calib]}
+    return CheckResult(verdict.passed, summary, figures, details)
+
+
+def _sample(ctx: AuditContext) -> _Sampled:
+    """The sampled requests, run to a fixed length (half under the deployed policy and half
+    with drafting forced where that policy is not a fixed k), then the calibration probe's."""
     cfg, sizes = ctx.config, ctx.config.sizes
-    settings, ns = cfg.settings, len(cfg.settings)
     max_new = sizes.distribution_max_new
     n_req = math.ceil(sizes.distribution_tokens / max_new)
     # prompt i % n with its own seed: repeated prompts still give independent samples
@@ -402,16 +467,23 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
               (reqs[n_req // 2:], f"fixed k={cfg.forced_k}", FixedK(cfg.forced_k))] if forced \
         else [(reqs, f"fixed k={cfg.k}", None)]
     sample_s = 0.0
-    labels = ", ".join(s.label for s in settings)
+    labels = ", ".join(s.label for s in cfg.settings)
     for part, label, policy in halves:
         if part:
-            sample_s += _sample(ctx, part, min(batch, len(part)), max_len, policy,
-                                f"{labels}, {label}, b={min(batch, len(part))}")
+            sample_s += _run_sampled(ctx, part, min(batch, len(part)), max_len, policy,
+                                     f"{labels}, {label}, b={min(batch, len(part))}")
     probe = _probe_requests(ctx, cfg.seed * 1_000_003 + n_req, sizes.probe_max_new)
     probe_len = max(map(len, ctx.prompt_ids)) + sizes.probe_max_new
     probe_s = sum(_run_probe(ctx, m, [r for _, r in rs], min(batch, len(rs)), probe_len) for m, rs in probe)
-    # teacher-force the target (outside any fault) for its exact p at every emitted position,
-    # under each request's own sampling settings
+    return _Sampled(reqs, max_new, batch, forced, sample_s, probe, probe_s)
+
+
+def _teacher_force(ctx: AuditContext, sampled: _Sampled) -> _Gathered:
+    """Every output's evidence: the target teacher-forced (outside any fault) for its exact p
+    at every emitted position, under each request's own sampling settings, and the drafter's
+    q recomputed (the probe's q is its nucleus of p)."""
+    cfg = ctx.config
+    settings, ns = cfg.settings, len(cfg.settings)
     g = torch.Generator().manual_seed(cfg.seed)
     oracle = oracle_for(ctx.drafter_factory(1, 8), ctx.model)  # the drafter's q, recomputed
     pooled, per = _Evidence(), [_Evidence() for _ in settings]
@@ -419,7 +491,8 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
     # and the calibration probe's (attribution: which path a failed test's deviation is in)
     by_source = {src: (_Evidence(), [_Evidence() for _ in settings]) for src in SOURCES}
     margin = tie_margin_for(ctx.model)["value"]  # numerics may move a token across a filter's edge by this
-    todo = [(i % ns, r, None) for i, r in enumerate(reqs)] + [(s, r, m) for m, rs in probe for s, r in rs]
+    todo = [(i % ns, r, None) for i, r in enumerate(sampled.reqs)] + \
+        [(s, r, m) for m, rs in sampled.probe for s, r in rs]
     # each prompt is prefilled once for all its outputs (the same batch-1 numbers)
     target_prefixes, draft_prefixes = prefix_cache(), prefix_cache()
     with ctx.progress.stage("distribution: teacher forcing", len(todo)) as bar:
@@ -436,16 +509,38 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
             src_all.add(ev)
             src_per[s].add(ev)
             bar.advance()
-    masses = "/".join(f"{m:g}" for m, _ in probe)
+    return _Gathered(pooled, per, by_source, margin, oracle)
+
+
+def _verdict(ctx: AuditContext, sampled: _Sampled, ev: _Gathered) -> _Verdict:
+    """The tests at their Bonferroni alpha, each attributed to the code paths its samples came
+    from, the calibration tests' power, and whether they fail or prove too little."""
+    cfg = ctx.config
+    masses = "/".join(f"{m:g}" for m, _ in sampled.probe)
+    tests = _all_tests(ev, cfg.settings, masses)
+    m, alpha_each = _bonferroni(tests)
+    paths = code_paths(ctx, ev.oracle)
+    attribute(tests, ev.by_source, cfg.settings, masses, alpha_each, paths)
+    verified = len(ev.pooled.calib)
+    failed = [t["test"] + (f" ({t['statistic']:g} of {t['n']} tokens)" if t.get("impossible") else "")
+              for t in tests if not t["passed"]]
+    inconclusive = not failed and verified < cfg.min_verified_drafts
+    return _Verdict(tests, m, alpha_each, paths, _power(ev.pooled, alpha_each), verified, failed, inconclusive)
+
+
+def _all_tests(ev: _Gathered, settings, masses: str) -> list[dict]:
+    """Every test, each without its alpha yet: the families on each code path's samples, per
+    setting on both pooled, and the counts of impossible events."""
+    pooled, per = ev.pooled, ev.per
     # the families run apart on each code path's samples: the probe's few hundred tokens,
     # pooled with the deployed drafter's thousands, would be diluted (a fault the probe alone
     # exercises moved its own PIT to p ~ 1e-7 while the pooled one passed), and a failed
     # test then names one path. The per-setting tests pool both, with the split reported.
-    tests = _tests(by_source["deployed"][0], None, masses)
+    tests = _tests(ev.by_source["deployed"][0], None, masses)
     tests += [{**t, "test": t["test"] if t["test"].startswith("probe-") else f"probe-{t['test']}"}
-              for t in _tests(by_source["probe"][0], None, masses)]
-    if ns > 1:
-        tests += [t for st, ev in zip(settings, per) for t in _tests(ev, st.label, masses)]
+              for t in _tests(ev.by_source["probe"][0], None, masses)]
+    if len(settings) > 1:
+        tests += [t for st, e in zip(settings, per) for t in _tests(e, st.label, masses)]
     # counts of events of probability 0 under the null: no correction needed, no false alarm
     # (not counted in m); the first is run whenever it found one, the second always
     if pooled.impossible:
@@ -453,9 +548,15 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
                       "statistic": float(pooled.impossible), "n": int(pooled.family("recovered").numel()),
                       "setting": "all", "impossible": True})
     tests.append({"test": "outside-support", "kind": "count, emitted token outside the support of p under its "
-                  f"setting's filters (beyond the tie margin {margin:.3g})", "statistic": float(pooled.outside),
+                  f"setting's filters (beyond the tie margin {ev.margin:.3g})", "statistic": float(pooled.outside),
                   "n": pooled.tokens, "setting": "all", "impossible": True,
-                  "per_setting": {st.label: ev.outside for st, ev in zip(settings, per)}})
+                  "per_setting": {st.label: e.outside for st, e in zip(settings, per)}})
+    return tests
+
+
+def _bonferroni(tests: list[dict]) -> tuple[int, float]:
+    """-> (m, alpha each): every test with data runs at ALPHA / m and gets its verdict; a count
+    of impossible events fails on any one."""
     m = sum(not t.get("impossible") for t in tests)
     alpha_each = ALPHA / m
     for t in tests:
@@ -465,86 +566,96 @@ def distribution_check(ctx: AuditContext) -> CheckResult:
             t["passed"] = not t["statistic"]
         else:
             t["passed"] = t["p_value"] > alpha_each
-    paths = code_paths(ctx, oracle)
-    attribute(tests, by_source, settings, masses, alpha_each, paths)
-    power = {src: {str(c): relaxed_power(a, c, alpha_each) for c in RELAXED_C}
-             for src, a in (("deployed", [a for a, _ in pooled.calib]), ("probe", [a for a, _ in pooled.probe_calib]),
-                            ("both", [a for a, _ in pooled.calib + pooled.probe_calib]))}
-    verified = len(pooled.calib)
-    # each setting's share: what it sampled and verified, and whether that carries power
-    share = []
-    for i, (st, ev) in enumerate(zip(settings, per)):
-        rs = reqs[i::ns]
+    return m, alpha_each
+
+
+def _power(pooled: _Evidence, alpha_each: float) -> dict[str, dict[str, float]]:
+    """The calibration tests' power against each relaxed threshold, by source of drafts."""
+    return {src: {str(c): relaxed_power(a, c, alpha_each) for c in RELAXED_C}
+            for src, a in (("deployed", [a for a, _ in pooled.calib]), ("probe", [a for a, _ in pooled.probe_calib]),
+                           ("both", [a for a, _ in pooled.calib + pooled.probe_calib]))}
+
+
+def _shares(cfg, sampled: _Sampled, per: list[_Evidence], tests: list[dict]) -> list[dict]:
+    """Each setting's share: what it sampled and verified, and whether that carries power."""
+    ns, share = len(cfg.settings), []
+    for i, (st, ev) in enumerate(zip(cfg.settings, per)):
+        rs = sampled.reqs[i::ns]
         drafted_s = sum(r.stats.drafted for r in rs)
         own = {t["test"].split(" [")[0]: t for t in tests if t["setting"] == st.label}
         share.append({**st.to_dict(), "values": st.describe(), "requests": len(rs),
                       "tokens": sum(len(r.output_ids) for r in rs), "verified_drafts": len(ev.calib),
                       "probe_drafts": len(ev.probe_calib),
-                      "probe_tokens": sum(len(r.output_ids) for _, rs_ in probe for s, r in rs_ if s == i),
+                      "probe_tokens": sum(len(r.output_ids) for _, rs_ in sampled.probe for s, r in rs_ if s == i),
                       "acceptance_rate": sum(r.stats.accepted for r in rs) / drafted_s if drafted_s else None,
                       "recovered": int(ev.family("recovered").numel()), "bonus": int(ev.family("bonus").numel()),
                       "outside_support": ev.outside,
                       "thin": ns > 1 and len(ev.calib) < cfg.min_verified_drafts / ns,
                       "tests": len(own), "failed": [n for n, t in own.items() if not t["passed"]]})
+    return share
+
+
+def _summary(cfg, v: _Verdict, share: list[dict], pit, trees: dict) -> str:
+    """The line a person reads first: what failed and on which code path, or too few drafts,
+    or what passed, on how much, per setting and with what power."""
+    if v.failed:
+        return (f"{', '.join(v.failed)} failed at alpha {v.alpha_each:.2g} each (Bonferroni over {v.m}): "
+                "the sampler is biased; " + blame(v.tests, v.paths))
+    if v.inconclusive:
+        return (f"INCONCLUSIVE: only {v.verified} verified draft tokens (< {cfg.min_verified_drafts} "
+                "needed); the speculative paths were hardly exercised")
+    ns = len(cfg.settings)
+    calib = next((t for t in v.tests if t["test"] == "calibration"), None)
+    probe_t = next((t for t in v.tests if t["test"] == "probe-calibration"), None)
     thin = [sh for sh in share if sh["thin"]]
-    probe_reqs = [r for _, rs in probe for _, r in rs]
-    probe_fig = None
-    if probe_reqs:
-        pd_ = sum(r.stats.drafted for r in probe_reqs)
-        probe_fig = {"masses": [m for m, _ in probe], "k": PROBE_K, "requests": len(probe_reqs),
-                     "tokens": sum(len(r.output_ids) for r in probe_reqs), "verified_drafts": len(pooled.probe_calib),
-                     "acceptance_rate": sum(r.stats.accepted for r in probe_reqs) / pd_ if pd_ else None,
-                     "seconds": probe_s}
-    drafted = sum(r.stats.drafted for r in reqs)
-    accepted = sum(r.stats.accepted for r in reqs)
-    tokens = sum(len(r.output_ids) for r in reqs)
-    failed = [t["test"] + (f" ({t['statistic']:g} of {t['n']} tokens)" if t.get("impossible") else "")
-              for t in tests if not t["passed"]]
-    inconclusive = not failed and verified < cfg.min_verified_drafts
-    passed = not failed and not inconclusive
-    pit = test_uniform(by_source["deployed"][0].family("pit").numpy())  # the headline: the deployed drafter's
-    calib = next((t for t in tests if t["test"] == "calibration"), None)
-    probe_t = next((t for t in tests if t["test"] == "probe-calibration"), None)
     thin_txt = ("; thin: " + ", ".join(f"{sh['label']} ({sh['verified_drafts']} verified drafts, under "
                                        f"{cfg.min_verified_drafts / ns:g}): its own tests carry little power"
                                        for sh in thin)) if thin else ""
-    if failed:
-        summary = (f"{', '.join(failed)} failed at alpha {alpha_each:.2g} each (Bonferroni over {m}): "
-                   "the sampler is biased; " + blame(tests, paths))
-    elif inconclusive:
-        summary = (f"INCONCLUSIVE: only {verified} verified draft tokens (< {cfg.min_verified_drafts} "
-                   "needed); the speculative paths were hardly exercised")
-    else:
-        summary = (f"{m} tests pass at family-wise alpha {ALPHA:g}: PIT KS p = {pit.p_value:.3g} over "
-                   f"{pit.n} tokens, {verified} verified drafts calibrated"
-                   + (f" (z = {calib['statistic']:+.2f})" if calib is not None else "")
-                   + (f", {probe_t['n']} probe drafts (z = {probe_t['statistic']:+.2f})" if probe_t is not None else "")
-                   + "; settings " + "; ".join(
-                       sh["label"] + ("" if sh["label"] == sh["values"] else f" ({sh['values']})")
-                       + f": {sh['tokens']} tokens, {sh['verified_drafts']} verified drafts" for sh in share)
-                   + thin_txt + "; " + _power_txt(power))
-    from .equivalence import tree_steps
-    trees = tree_steps(reqs)  # draft-tree steps: their tokens are in the PIT (the walk draws from p)
-    if trees["tree_steps"] and not failed and not inconclusive:
+    summary = (f"{v.m} tests pass at family-wise alpha {ALPHA:g}: PIT KS p = {pit.p_value:.3g} over "
+               f"{pit.n} tokens, {v.verified} verified drafts calibrated"
+               + (f" (z = {calib['statistic']:+.2f})" if calib is not None else "")
+               + (f", {probe_t['n']} probe drafts (z = {probe_t['statistic']:+.2f})" if probe_t is not None else "")
+               + "; settings " + "; ".join(
+                   sh["label"] + ("" if sh["label"] == sh["values"] else f" ({sh['values']})")
+                   + f": {sh['tokens']} tokens, {sh['verified_drafts']} verified drafts" for sh in share)
+               + thin_txt + "; " + _power_txt(v.power))
+    if trees["tree_steps"]:
         summary += (f"; {trees['tree_tokens']} of the tokens from {trees['tree_steps']} draft-tree steps "
                     f"({trees['tree_later_sibling']} taken off a later sibling)")
-    figures = {"temperature": cfg.temperature, "temperatures": list(cfg.temperatures), "settings": share,
-               **trees,
-               "rule": cfg.rule, "alpha": ALPHA, "alpha_each": alpha_each, "correction": "Bonferroni",
-               **pit.to_dict(), "tests": tests, "verified_drafts": verified,
-               "min_verified_drafts": cfg.min_verified_drafts, "inconclusive": inconclusive,
-               "thin_settings": [sh["label"] for sh in thin], "code_paths": paths,
-               "power_vs_relaxed": power,
-               "drafting_forced": forced, "requests": n_req, "batch": batch, "max_new_tokens": max_new,
-               "eos_ignored": True, "drafted": drafted, "probe": probe_fig,
-               "acceptance_rate": accepted / drafted if drafted else None,
-               "mean_accepted_length": tokens / sum(r.stats.target_passes for r in reqs),
-               "sampling_tokens_per_s": tokens / sample_s if sample_s else None}
-    # every verified draft's exact acceptance probability: what benchmarks/audit_power.py
-    # replays to measure this check's power against relaxed acceptance rules
-    details = {"calibration_a": [round(a, 6) for a, _ in pooled.calib],
-               "probe_a": [round(a, 6) for a, _ in pooled.probe_calib]}
-    return CheckResult(passed, summary, figures, details)
+    return summary
+
+
+def _figures(cfg, sampled: _Sampled, ev: _Gathered, v: _Verdict, share: list[dict], pit, trees: dict) -> dict:
+    """The check's headline numbers, in the report's order."""
+    reqs = sampled.reqs
+    drafted = sum(r.stats.drafted for r in reqs)
+    accepted = sum(r.stats.accepted for r in reqs)
+    tokens = sum(len(r.output_ids) for r in reqs)
+    return {"temperature": cfg.temperature, "temperatures": list(cfg.temperatures), "settings": share,
+            **trees,
+            "rule": cfg.rule, "alpha": ALPHA, "alpha_each": v.alpha_each, "correction": "Bonferroni",
+            **pit.to_dict(), "tests": v.tests, "verified_drafts": v.verified,
+            "min_verified_drafts": cfg.min_verified_drafts, "inconclusive": v.inconclusive,
+            "thin_settings": [sh["label"] for sh in share if sh["thin"]], "code_paths": v.paths,
+            "power_vs_relaxed": v.power,
+            "drafting_forced": sampled.forced, "requests": len(reqs), "batch": sampled.batch,
+            "max_new_tokens": sampled.max_new, "eos_ignored": True, "drafted": drafted,
+            "probe": _probe_figures(sampled, ev.pooled),
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": tokens / sum(r.stats.target_passes for r in reqs),
+            "sampling_tokens_per_s": tokens / sampled.seconds if sampled.seconds else None}
+
+
+def _probe_figures(sampled: _Sampled, pooled: _Evidence) -> dict | None:
+    """What the calibration probe ran and verified (None: no probe)."""
+    probe_reqs = [r for _, rs in sampled.probe for _, r in rs]
+    if not probe_reqs:
+        return None
+    pd_ = sum(r.stats.drafted for r in probe_reqs)
+    return {"masses": [m for m, _ in sampled.probe], "k": PROBE_K, "requests": len(probe_reqs),
+            "tokens": sum(len(r.output_ids) for r in probe_reqs), "verified_drafts": len(pooled.probe_calib),
+            "acceptance_rate": sum(r.stats.accepted for r in probe_reqs) / pd_ if pd_ else None,
+            "seconds": sampled.probe_s}
 
 
 # -- from outside (endpoint mode: the state in endpoint/state.py) ------------------------------
