@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ...drafters.lookup import lookup_continuation
 
@@ -244,127 +244,175 @@ def sampled_run(cfg: EndpointConfig, kind: str, prompts: list, tokens: int, conc
     return EndpointRun(got_run.url, got_run.model, got_run.kind, got_run.logprobs, levels, conventions)
 
 
+@dataclass
+class _Scores:
+    """What scoring a run's answers gathers, token by token (filled in order: the PITs draw
+    from one random stream)."""
+
+    us: list[float] = field(default_factory=list)  # the PIT of every scored token
+    listed: int = 0  # scored tokens that fell in a bucket (the rest in the tail)
+    unscored: int = 0  # tokens whose list was empty or malformed
+    errors: int = 0  # failed answers
+    # (p(d), emitted d) where prompt lookup has a candidate d, and the PITs of the tokens there
+    lookup_points: list[tuple[float, bool]] = field(default_factory=list)
+    drafted_us: list[float] = field(default_factory=list)
+    scorers: dict[str, int] = field(default_factory=dict)  # scored tokens per scorer ("endpoint" / "reference")
+    per_token: dict[str, str] = field(default_factory=dict)  # answers that say per token who scored it (rescore.py)
+    emitted: int = 0  # tokens the server says it emitted
+    without: int = 0  # ... of which came with no logprobs at all
+    # the endpoint's lists, as they came: entries per list, how often the sampled token was listed
+    entries_per_token: dict[int, int] = field(default_factory=dict)
+    sampled_listed: int = 0
+    endpoint_tokens: int = 0
+
+
 def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, min_tokens: int = 200) -> dict:
     """The PIT test over every scored token of the run, and what it rests on."""
-    from ..stats import test_uniform
     rng = random.Random(seed)
     conventions = {ENDPOINT: logprob_convention(run.kind, True), REFERENCE: logprob_convention("llama.cpp", True),
                    **(run.conventions or {})}
-    seen = {"entries_per_token": {}, "sampled_listed": 0, "tokens": 0}  # the endpoint's lists, as they came
-    us, listed, unscored, errors = [], 0, 0, 0
-    lookup_points: list[tuple[float, bool]] = []  # (p(d), emitted d) where prompt lookup has a candidate d
-    drafted_us: list[float] = []  # the PITs of the tokens at positions where prompt lookup has a candidate
-    scorers: dict[str, int] = {}  # scored tokens per scorer ("endpoint" / "reference")
-    per_token: dict[str, str] = {}  # answers that say per token who scored it (rescore.py)
-    emitted, without = 0, 0  # tokens the server says it emitted; those that came with no logprobs at all
     answers = [r for lv in run.levels for r in lv.results]
+    sc = _Scores()
     for r in answers:
-        if not r.ok:
-            errors += 1
-            continue
-        got_n = len(r.tokens or [])
-        n_emitted = r.completion_tokens if r.completion_tokens is not None else got_n
-        emitted += max(n_emitted, got_n)
-        without += max(0, n_emitted - got_n)
-        ids = r.token_ids or [None] * len(r.tokens or [])
-        who = r.scored_by or [ENDPOINT] * len(r.tokens or [])
-        marks = []
-        known = all(isinstance(t, int) for t in ids) and len(ids) == got_n  # the context, for prompt lookup
-        context = list(r.prompt_ids or []) if known else None
-        for tid, text, top, by in zip(ids, r.tokens or [], r.top or [], who):
-            cand = None
-            if context is not None:
-                cand = lookup_continuation(context, 1, LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM)
-                buckets = sorted((kv for kv in top if kv[1] is not None and math.isfinite(kv[1])),
-                                 key=lambda kv: -kv[1])[:conventions[by or ENDPOINT].buckets] if top else []
-                p_cand = next((math.exp(lp) for k, lp in buckets if k == cand[0]), None) if cand else None
-                if p_cand is not None:  # d among the draw-independent entries: its p is known, not chosen by the draw
-                    lookup_points.append((min(p_cand, 1.0), tid == cand[0]))
-                context.append(tid)
-            if not top:  # listed, but with no logprobs (llama.cpp's native answer, a verification step's token)
-                without += 1
-                marks.append("-")
-                continue
-            by_id = tid is not None and all(isinstance(k, int) for k, _ in top)
-            key = tid if by_id else text  # the alternatives' own keys: ids, else texts
-            if (by or ENDPOINT) == ENDPOINT:
-                seen["tokens"] += 1
-                seen["entries_per_token"][len(top)] = seen["entries_per_token"].get(len(top), 0) + 1
-                seen["sampled_listed"] += any(k == key for k, _ in top)
-            got = pit_top_n(key, top, rng, conventions[by or ENDPOINT].buckets)
-            if got is None:
-                unscored += 1
-                marks.append("?")
-                continue
-            us.append(got[0])
-            if cand:
-                drafted_us.append(got[0])
-            listed += got[1]
-            scorers[by or ENDPOINT] = scorers.get(by or ENDPOINT, 0) + 1
-            marks.append("r" if by == REFERENCE else "e")
-        if r.scored_by is not None:
-            per_token[r.id] = "".join(marks)
-    by_ref = scorers.get(REFERENCE, 0)
-    figures = {"temperature": 1.0, "n": len(us), "alpha": alpha, "answers": len(answers), "failed_answers": errors,
-               "unscored_tokens": unscored, "tail_tokens": len(us) - listed, "top_logprobs": TOP_LOGPROBS,
+        _score_answer(sc, r, rng, conventions)
+    figures = _rests_on(sc, answers, conventions, alpha)
+    gap = _coverage_gap(sc)
+    contradiction = conventions[ENDPOINT].contradicted_by(sc.entries_per_token, sc.sampled_listed, sc.endpoint_tokens)
+    figures["observed"]["follows_convention"] = contradiction is None
+    if len(sc.us) < min_tokens:
+        figures.update(ks_statistic=None, p_value=None, passed=False, reason=_too_few(sc, answers, min_tokens, gap))
+        return figures
+    broken = (f"the endpoint's lists do not follow the {conventions[ENDPOINT].name} convention ({contradiction})"
+              if contradiction else None)
+    _test(figures, sc, alpha, gap, broken)
+    return figures
+
+
+def _score_answer(sc: _Scores, r, rng: random.Random, conventions: dict) -> None:
+    """One answer's tokens into sc, in order: each token's prompt-lookup point (where its ids
+    give the context), then its PIT against the list it came with."""
+    if not r.ok:
+        sc.errors += 1
+        return
+    got_n = len(r.tokens or [])
+    n_emitted = r.completion_tokens if r.completion_tokens is not None else got_n
+    sc.emitted += max(n_emitted, got_n)
+    sc.without += max(0, n_emitted - got_n)
+    ids = r.token_ids or [None] * len(r.tokens or [])
+    who = r.scored_by or [ENDPOINT] * len(r.tokens or [])
+    marks = []
+    known = all(isinstance(t, int) for t in ids) and len(ids) == got_n  # the context, for prompt lookup
+    context = list(r.prompt_ids or []) if known else None
+    for tid, text, top, by in zip(ids, r.tokens or [], r.top or [], who):
+        convention = conventions[by or ENDPOINT]
+        cand = _lookup_point(sc, context, tid, top, convention.buckets) if context is not None else None
+        marks.append(_score_token(sc, tid, text, top, by, bool(cand), rng, convention.buckets))
+    if r.scored_by is not None:
+        sc.per_token[r.id] = "".join(marks)
+
+
+def _lookup_point(sc: _Scores, context: list[int], tid: int, top: list[tuple], buckets: int) -> list[int] | None:
+    """Prompt lookup's candidate d at this position (None: none); where d is among the
+    draw-independent entries its (p(d), emitted d) joins sc. The context then takes the token."""
+    cand = lookup_continuation(context, 1, LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM)
+    listed = sorted((kv for kv in top if kv[1] is not None and math.isfinite(kv[1])),
+                    key=lambda kv: -kv[1])[:buckets] if top else []
+    p_cand = next((math.exp(lp) for k, lp in listed if k == cand[0]), None) if cand else None
+    if p_cand is not None:  # d among the draw-independent entries: its p is known, not chosen by the draw
+        sc.lookup_points.append((min(p_cand, 1.0), tid == cand[0]))
+    context.append(tid)
+    return cand
+
+
+def _score_token(sc: _Scores, tid, text: str, top: list[tuple], by: str | None, drafted: bool,
+                 rng: random.Random, buckets: int) -> str:
+    """One token's PIT into sc (drafted: prompt lookup has a candidate there); -> its mark
+    in scored_by_token."""
+    if not top:  # listed, but with no logprobs (llama.cpp's native answer, a verification step's token)
+        sc.without += 1
+        return "-"
+    by_id = tid is not None and all(isinstance(k, int) for k, _ in top)
+    key = tid if by_id else text  # the alternatives' own keys: ids, else texts
+    if (by or ENDPOINT) == ENDPOINT:
+        sc.endpoint_tokens += 1
+        sc.entries_per_token[len(top)] = sc.entries_per_token.get(len(top), 0) + 1
+        sc.sampled_listed += any(k == key for k, _ in top)
+    got = pit_top_n(key, top, rng, buckets)
+    if got is None:
+        sc.unscored += 1
+        return "?"
+    sc.us.append(got[0])
+    if drafted:
+        sc.drafted_us.append(got[0])
+    sc.listed += got[1]
+    sc.scorers[by or ENDPOINT] = sc.scorers.get(by or ENDPOINT, 0) + 1
+    return "r" if by == REFERENCE else "e"
+
+
+def _rests_on(sc: _Scores, answers: list, conventions: dict, alpha: float) -> dict:
+    """The figures every verdict rests on: what was scored, by whom, under which convention,
+    and what the endpoint's lists showed."""
+    by_ref = sc.scorers.get(REFERENCE, 0)
+    figures = {"temperature": 1.0, "n": len(sc.us), "alpha": alpha, "answers": len(answers),
+               "failed_answers": sc.errors, "unscored_tokens": sc.unscored, "tail_tokens": len(sc.us) - sc.listed,
+               "top_logprobs": TOP_LOGPROBS,
                "scored_with": ("the endpoint's own top-n logprobs (not a separate reference)" if not by_ref else
                                f"the reference's top-n logprobs for {by_ref} tokens, the endpoint's own for "
-                               f"{scorers.get(ENDPOINT, 0)} (separate-reference scoring, rescore.py)"),
-               "scorers": {ENDPOINT: scorers.get(ENDPOINT, 0), REFERENCE: by_ref},
+                               f"{sc.scorers.get(ENDPOINT, 0)} (separate-reference scoring, rescore.py)"),
+               "scorers": {ENDPOINT: sc.scorers.get(ENDPOINT, 0), REFERENCE: by_ref},
                "order": "descending logprob, one tail bucket for every token not in a bucket",
                "convention": {who: c.to_dict() for who, c in conventions.items()
-                              if who == ENDPOINT or scorers.get(who)},
-               "observed": {"entries_per_token": dict(sorted(seen["entries_per_token"].items())),
-                            "sampled_token_listed": seen["sampled_listed"], "endpoint_scored_tokens": seen["tokens"]},
+                              if who == ENDPOINT or sc.scorers.get(who)},
+               "observed": {"entries_per_token": dict(sorted(sc.entries_per_token.items())),
+                            "sampled_token_listed": sc.sampled_listed, "endpoint_scored_tokens": sc.endpoint_tokens},
                "acceptance_rate": None, "mean_accepted_length": None,
-               "emitted_tokens": emitted, "tokens_without_logprobs": without}
-    if per_token:
+               "emitted_tokens": sc.emitted, "tokens_without_logprobs": sc.without}
+    if sc.per_token:
         figures["scored_by_token"] = {"legend": "per emitted token: e = the endpoint's own logprobs, r = the "
                                                 "reference's, - = none (not tested), ? = malformed list",
-                                      "answers": per_token}
-    # A token sent with no logprobs cannot be scored, and which tokens lack them is not
-    # chance: llama.cpp's server (0.3.36's vendored tools/server) sets none for the tokens
-    # of a speculative verification step (its source leaves result.probs unset there), so what is left to
-    # score are the tokens decoded without a draft. Their PITs are still exact under an
-    # exact sampler (whether a step drafts is fixed before its token is sampled), so a
-    # failure of the rest is evidence; a pass says nothing of the missing tokens.
-    coverage_gap = (f"the server returned no logprobs for {without} of {emitted} emitted tokens (llama.cpp sends "
-                    "none for tokens from a speculative verification step)"
-                    + (", nor did the reference" if by_ref or per_token else "") + ": those tokens are not tested")
-    contradiction = conventions[ENDPOINT].contradicted_by(seen["entries_per_token"], seen["sampled_listed"],
-                                                           seen["tokens"])
-    figures["observed"]["follows_convention"] = contradiction is None
-    if len(us) < min_tokens:
-        first_error = next((r.error for r in answers if r.error), None)
-        if answers and errors == len(answers):  # nothing to score: say why the requests failed
-            reason = f"inconclusive: all {errors} sampled requests failed (first: {first_error})"
-        elif not us:
-            reason = f"inconclusive: {len(us)} scored tokens (< {min_tokens}); the server returned no usable logprobs"
-        else:
-            reason = f"inconclusive: only {len(us)} scored tokens" + (f"; {coverage_gap}" if without else "")
-        figures.update(ks_statistic=None, p_value=None, passed=False, reason=reason)
-        return figures
-    t = test_uniform(us)
-    lk = lookup_test(lookup_points)
-    td = test_uniform(drafted_us) if len(drafted_us) >= DRAFTED_MIN_POSITIONS else None
+                                      "answers": sc.per_token}
+    return figures
+
+
+def _coverage_gap(sc: _Scores) -> str:
+    """The tokens sent without logprobs, in words.
+
+    A token sent with no logprobs cannot be scored, and which tokens lack them is not
+    chance: llama.cpp's server (0.3.36's vendored tools/server) sets none for the tokens
+    of a speculative verification step (its source leaves result.probs unset there), so what is left to
+    score are the tokens decoded without a draft. Their PITs are still exact under an
+    exact sampler (whether a step drafts is fixed before its token is sampled), so a
+    failure of the rest is evidence; a pass says nothing of the missing tokens."""
+    return (f"the server returned no logprobs for {sc.without} of {sc.emitted} emitted tokens (llama.cpp sends "
+            "none for tokens from a speculative verification step)"
+            + (", nor did the reference" if sc.scorers.get(REFERENCE, 0) or sc.per_token else "")
+            + ": those tokens are not tested")
+
+
+def _too_few(sc: _Scores, answers: list, min_tokens: int, gap: str) -> str:
+    """Why fewer than min_tokens tokens were scored: the check is inconclusive."""
+    first_error = next((r.error for r in answers if r.error), None)
+    if answers and sc.errors == len(answers):  # nothing to score: say why the requests failed
+        return f"inconclusive: all {sc.errors} sampled requests failed (first: {first_error})"
+    if not sc.us:
+        return f"inconclusive: {len(sc.us)} scored tokens (< {min_tokens}); the server returned no usable logprobs"
+    return f"inconclusive: only {len(sc.us)} scored tokens" + (f"; {gap}" if sc.without else "")
+
+
+def _test(figures: dict, sc: _Scores, alpha: float, gap: str, broken: str | None) -> None:
+    """The tests into figures, Bonferroni over those run: the PIT of every scored token, the
+    PIT where prompt lookup has a candidate and the drafted-token test (each where enough
+    positions have one). gap: the tokens without logprobs, in words; broken: how the lists
+    break their convention (None: they follow it)."""
+    from ..stats import test_uniform
+    t = test_uniform(sc.us)
+    lk = lookup_test(sc.lookup_points)
+    td = test_uniform(sc.drafted_us) if len(sc.drafted_us) >= DRAFTED_MIN_POSITIONS else None
     n_tests = 1 + (lk is not None) + (td is not None)
     a = alpha / n_tests  # Bonferroni over the tests run
-    reasons = ([] if t.passed(a) else [f"KS p = {t.p_value:.3g} < {a:g}: the sampled tokens do not follow "
-                                       "the logprobs"]) + ([f"{errors} sampled request(s) failed"] if errors else [])
-    if td is not None and not td.passed(a):
-        reasons.append(f"KS p = {td.p_value:.3g} < {a:g} over the {td.n} tokens where prompt lookup has a "
-                       "candidate: the tokens emitted where a drafter proposes do not follow the logprobs")
-    if lk and lk["p_value"] < a:
-        reasons.append(f"drafted-token test p = {lk['p_value']:.3g} < {a:g}: where prompt lookup proposes d, d was "
-                       f"emitted {lk['emitted_candidate']} times against {lk['expected']:.1f} expected from p(d) "
-                       f"({lk['positions']} positions, z = {lk['z']:.1f})")
-    if without > MISSING_LOGPROBS_TOLERANCE * emitted:  # a pass of a selected subset is no pass
-        reasons.append(f"inconclusive: {coverage_gap}")
-    if contradiction:  # the buckets would then depend on the draw: the PIT means nothing
-        reasons.append(f"inconclusive: the endpoint's lists do not follow the {conventions[ENDPOINT].name} "
-                       f"convention ({contradiction})")
+    reasons = _reasons(sc, t, td, lk, a, gap, broken)
     figures.update(ks_statistic=t.ks_statistic, p_value=t.p_value, passed=not reasons, histogram=t.histogram,
-                   mean_u=sum(us) / len(us), reason="; ".join(reasons) or None)
+                   mean_u=sum(sc.us) / len(sc.us), reason="; ".join(reasons) or None)
     figures["tests"] = [{"test": "pit", "kind": "KS vs Uniform(0,1), top-n + tail", "n": t.n,
                          "statistic": t.ks_statistic, "p_value": t.p_value, "alpha": a,
                          "passed": t.passed(a), "histogram": t.histogram}]
@@ -378,8 +426,27 @@ def distribution_figures(run: EndpointRun, seed: int = 0, alpha: float = ALPHA, 
                                  "p_value": lk["p_value"], "alpha": a, "passed": lk["p_value"] >= a,
                                  "emitted_candidate": lk["emitted_candidate"], "expected": lk["expected"]})
     figures.update(correction=f"Bonferroni over {n_tests} tests" if n_tests > 1 else "one test", lookup=lk or {
-        "positions": len(lookup_points), "note": f"not run: fewer than {LOOKUP_MIN_POSITIONS} positions with a "
-                                                 "prompt-lookup candidate among the draw-independent entries"},
-        drafted_positions=len(drafted_us),
+        "positions": len(sc.lookup_points), "note": f"not run: fewer than {LOOKUP_MIN_POSITIONS} positions with a "
+                                                    "prompt-lookup candidate among the draw-independent entries"},
+        drafted_positions=len(sc.drafted_us),
         verified_drafts="not visible from outside", min_verified_drafts="-")
-    return figures
+
+
+def _reasons(sc: _Scores, t, td, lk: dict | None, a: float, gap: str, broken: str | None) -> list[str]:
+    """Why the check fails (empty: it passes): a test below its alpha, failed answers, too
+    many tokens without logprobs, lists that break their convention."""
+    reasons = [] if t.passed(a) else [f"KS p = {t.p_value:.3g} < {a:g}: the sampled tokens do not follow the logprobs"]
+    if sc.errors:
+        reasons.append(f"{sc.errors} sampled request(s) failed")
+    if td is not None and not td.passed(a):
+        reasons.append(f"KS p = {td.p_value:.3g} < {a:g} over the {td.n} tokens where prompt lookup has a "
+                       "candidate: the tokens emitted where a drafter proposes do not follow the logprobs")
+    if lk and lk["p_value"] < a:
+        reasons.append(f"drafted-token test p = {lk['p_value']:.3g} < {a:g}: where prompt lookup proposes d, d was "
+                       f"emitted {lk['emitted_candidate']} times against {lk['expected']:.1f} expected from p(d) "
+                       f"({lk['positions']} positions, z = {lk['z']:.1f})")
+    if sc.without > MISSING_LOGPROBS_TOLERANCE * sc.emitted:  # a pass of a selected subset is no pass
+        reasons.append(f"inconclusive: {gap}")
+    if broken:  # the buckets would then depend on the draw: the PIT means nothing
+        reasons.append(f"inconclusive: {broken}")
+    return reasons
