@@ -93,3 +93,29 @@ def test_amx_builds_are_detected_from_llama_cpps_system_info():
     assert amx_compiled(FakeBindings(b"CPU : SSE3 = 1 | AVX512 = 1 | AMX_INT8 = 1 | OPENMP = 1 |"))
     assert not amx_compiled(FakeBindings(b"CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | OPENMP = 1 |"))
     assert not amx_compiled(FakeBindings(None))
+
+
+def test_every_backend_states_the_causal_lm_protocol():
+    """Each backend, and the audit's view of a model with a fault in its forward, states every
+    capability of the CausalLM protocol (config aside, set per model), so that no caller
+    probes a model for one with a default."""
+    from verispec.audit.faults.null import BackendView
+    from verispec.models import CausalLM
+    from verispec.models.ggml.runtime import GgmlModel
+    from verispec.models.llama import LlamaModel
+
+    stated = [n for n in CausalLM.__annotations__ if n != "config"]
+    stated += ["new_cache", "forward", "backend", "fingerprint"]
+    assert {"supports_trees", "backend_fault", "runtime"} <= set(stated)
+    for cls in (LlamaModel, GgmlModel, BackendView):
+        missing = [n for n in stated if not (hasattr(cls, n) or n in cls.__annotations__)]
+        assert not missing, (cls.__name__, missing)
+
+
+def test_the_widest_draft_tree_fits_a_ggml_cache_row():
+    """verify/ and models/ share no import: the ggml cache states its own limit on a tree
+    pass's branches, which the widest draft tree must stay within."""
+    from verispec.models.ggml.kvcache import LLAMA_MAX_SEQ, TREE_MAX_BRANCHES
+    from verispec.verify.tree import MAX_BRANCHES
+
+    assert MAX_BRANCHES <= TREE_MAX_BRANCHES <= LLAMA_MAX_SEQ

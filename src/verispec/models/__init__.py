@@ -11,7 +11,11 @@ CausalLM protocol (what the engine relies on)::
     config: ModelConfig
     new_cache(max_rows, max_len) -> KVCache
     forward(tokens [B,T], cache, rows [B], num_new [B] | None, *, last_only=False,
-            num_layers=None) -> logits [B,T,V] (or [B,V] with last_only)
+            num_layers=None, tree=None) -> logits [B,T,V] (or [B,V] with last_only)
+        tree = (depth [B,T], visible [B,T,T]), with supports_trees: token t of row b sits at
+        position start + depth[b,t] and attends to the row's cache and to the pass's tokens
+        u with visible[b,t,u]; the cache's keep_slots(rows, starts, slots) then keeps one
+        root-to-leaf path of them (the caller builds both from its own trees)
     backend: str                        the kernels it runs on, and
     fingerprint() -> str                a stable identity of its weights: what caches
                                         keyed on the model key on (the adaptive policy's
@@ -20,6 +24,13 @@ CausalLM protocol (what the engine relies on)::
                                         loaded on its target's runtime)
     partial_layers: bool                forward takes num_layers < L (layer-skip drafting);
                                         False on ggml, whose forward then raises
+    supports_trees: bool                forward takes tree= (above) and the cache keeps a
+                                        path with keep_slots; False on ggml's batch-invariant
+                                        mode (one sequence per row), whose forward then raises
+    noisy_numerics: bool                batching moves its logits beyond fp32 rounding
+    backend_fault: str | None           the fault a view of the model injects into its
+                                        forward on purpose (audit/faults/null.py); None on a
+                                        backend as loaded
 
 The cache new_cache returns keeps KVCache's interface (models/cache.py): alloc, free,
 truncate, lengths, in_use, max_rows, max_len, rows_in_use, snapshot, restore.
@@ -47,7 +58,8 @@ class CausalLM(Protocol):
     def new_cache(self, max_rows: int, max_len: int) -> KVCache: ...
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, rows, num_new=None, *,
-                last_only: bool = False, num_layers: int | None = None) -> torch.Tensor: ...
+                last_only: bool = False, num_layers: int | None = None,
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor: ...
 
     @property
     def backend(self) -> str: ...
@@ -57,6 +69,8 @@ class CausalLM(Protocol):
     runtime: str  # "native" or "ggml"
     partial_layers: bool  # forward(num_layers < L) runs the first layers (layer-skip drafting)
     noisy_numerics: bool  # batching moves its logits beyond fp32 rounding (the audit measures how far)
+    supports_trees: bool  # forward(tree=...) runs a tree of branches in one pass; the cache has keep_slots
+    backend_fault: str | None  # the name of a fault injected into forward on purpose; None as loaded
 
 
 BACKENDS = ("native", "ggml")
@@ -104,6 +118,3 @@ def load_model(spec: str, *, progress: bool = True, batch_invariant: bool = Fals
     tokenizer = AutoTokenizer.from_pretrained(str(files.path))
     return LoadedModel(model=model, tokenizer=tokenizer, files=files)
 
-
-__all__ = ["CausalLM", "KVCache", "CacheFullError", "ModelConfig", "UnsupportedModelError",
-           "LoadedModel", "load_model", "resolve_backend", "BACKENDS"]

@@ -96,7 +96,7 @@ class KVCache(RowPool):
         self.v = torch.zeros(shape, dtype=dtype)
         self.scratch = max_len  # index of the padding slot
 
-    # -- draft trees (verify/tree.py) ----------------------------------------------
+    # -- trees (forward's tree=, the CausalLM protocol) ------------------------------
     def keep_slots(self, rows, starts, slots) -> None:
         """After a tree verify pass: row rows[i]'s accepted path is slots[i] (slot 0 the root,
         then one slot per accepted node, each written at starts[i] + slot); move those keys and

@@ -67,6 +67,8 @@ class LlamaModel:
     positions = staticmethod(_positions)
     partial_layers = True  # forward(num_layers=N) runs the first N layers (layer-skip)
     noisy_numerics = False  # fp32: batching moves a logit within the audit's fixed TIE_MARGIN
+    supports_trees = True  # forward(tree=...) runs a tree of branches in one pass (a mask per row)
+    backend_fault = None  # a backend as loaded: its forward is this class's own
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *,
                  batch_invariant: bool = False):
@@ -148,7 +150,7 @@ class LlamaModel:
 
     @staticmethod
     def _tree_positions(start: torch.Tensor, slots: torch.Tensor, tree, S: int):
-        """(RoPE positions [B,T], attention mask [B,1,T,S]) of a draft tree's slots: a slot
+        """(RoPE positions [B,T], attention mask [B,1,T,S]) of a tree's slots: a slot
         sits at start + its depth and sees the cache before start and its own ancestors'
         slots (written at `slots`, which the fault suite may move)."""
         depth, visible = tree  # [B,T], [B,T,T]
@@ -164,8 +166,6 @@ class LlamaModel:
         c = self.config
         return KVCache(c.num_layers, max_rows, max_len, c.num_kv_heads, c.head_dim)
 
-    supports_trees = True  # forward(tree=...) verifies a draft tree in one pass
-
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, rows, num_new=None, *,
                 last_only: bool = False, num_layers: int | None = None,
@@ -176,8 +176,8 @@ class LlamaModel:
         num_layers < L runs the first num_layers layers then the final norm and LM head
         (layer-skip self-drafting); it writes only those layers' cache entries.
 
-        tree = (depth [B,T], visible [B,T,T]) (verify/tree.layout): the T tokens are the
-        slots of a draft tree. Slot t is written to cache position start + t but placed (RoPE)
+        tree = (depth [B,T], visible [B,T,T]) (the CausalLM protocol): the T tokens are the
+        slots of a tree. Slot t is written to cache position start + t but placed (RoPE)
         at start + depth[b,t], and attends to the row's cache and to the slots u with
         visible[b,t,u]; KVCache.keep_slots() then moves the accepted path into place.
         """

@@ -19,17 +19,30 @@ from .catalogue import register
 
 
 class BackendView:
-    """The model with its forward replaced by `forward(model, tokens, cache, rows, num_new,
-    **kw)`; every other attribute is the model's own (same weights, same caches)."""
+    """A CausalLM (models/__init__.py) that is the model with its forward replaced by
+    `forward(model, tokens, cache, rows, num_new, **kw)`, and backend_fault naming the fault;
+    the rest of the protocol is the model's own (same weights, same caches)."""
+
+    backend_fault: str  # the fault's name, set per view
 
     def __init__(self, model, forward, name: str):
         self._model, self._forward, self.backend_fault = model, forward, name
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
+        self.config = model.config
 
     def forward(self, tokens, cache, rows, num_new=None, **kw) -> torch.Tensor:
         return self._forward(self._model, tokens, cache, rows, num_new, **kw)
+
+    def new_cache(self, max_rows: int, max_len: int):
+        return self._model.new_cache(max_rows, max_len)
+
+    def fingerprint(self) -> str:
+        return self._model.fingerprint()
+
+    backend = property(lambda self: self._model.backend)
+    runtime = property(lambda self: self._model.runtime)
+    partial_layers = property(lambda self: self._model.partial_layers)
+    noisy_numerics = property(lambda self: self._model.noisy_numerics)
+    supports_trees = property(lambda self: self._model.supports_trees)
 
 
 def _rows_list(rows) -> list[int]:

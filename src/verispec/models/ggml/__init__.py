@@ -3,7 +3,8 @@
     loaded = load_ggml("qwen2.5-coder-1.5b")      # a preset's GGUF, or a path to a .gguf
 
 lib.py finds llama-cpp-python and its library (the `gguf` extra); runtime.py holds the
-model (GgmlModel, the CausalLM protocol) and its KV cache (GgmlCache).
+model (GgmlModel, the CausalLM protocol), kvcache.py its KV cache (GgmlCache) and
+ordered.py the cache's batch-invariant variant (GgmlOrderedCache).
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from ..cache import CacheFullError, RowPool, as_int_list
-from ...verify.tree import MAX_BRANCHES as TREE_MAX_BRANCHES
 from .lib import note_first_decode
 
 if TYPE_CHECKING:
@@ -32,6 +31,10 @@ MAX_UBATCH_TOKENS = 63
 # each holding the row's history (llama_memory_seq_cp) plus its own path, so that a node's
 # query sees its ancestors and no sibling. llama.cpp allows 256 ids in all (LLAMA_MAX_SEQ).
 LLAMA_MAX_SEQ = 256
+# The most branches (root-to-leaf paths) one row of a tree pass may hold: rows x branches
+# ids fit LLAMA_MAX_SEQ for a batch of up to 32 rows. verify/tree.MAX_BRANCHES, the widest
+# draft tree, stays within it (tests/unit/test_backends.py)
+TREE_MAX_BRANCHES = 8
 
 _STRAY_LENGTH = ("(row, length, positions llama.cpp holds) {}: a length changed outside truncate(), "
                  "alloc(), claim(), free() or restore(); llama.cpp's cells follow a length only through those")
@@ -51,7 +54,7 @@ class GgmlCache(RowPool):
     decode it at positions llama.cpp does not agree with."""
 
     def __init__(self, model: "GgmlModel", max_rows: int, max_len: int):
-        ll = model._ll
+        ll = model.lib
         if max_rows < 1 or max_len < 1:
             raise ValueError("max_rows and max_len must be >= 1")
         super().__init__(max_rows, max_len)
@@ -62,7 +65,7 @@ class GgmlCache(RowPool):
         self._context_params(p, max_rows, max_len)
         self._threads = torch.get_num_threads()
         p.n_threads = p.n_threads_batch = self._threads
-        ctx = ll.llama_init_from_model(model._model, p)
+        ctx = model.new_context(p)
         if not ctx:
             raise CacheFullError(f"llama.cpp could not create a context for {max_rows} rows x "
                                  f"{max_len} positions (out of memory?)")

@@ -98,6 +98,7 @@ class GgmlModel:
     # audit then takes its near-tie margin from this backend's measured noise
     # (audit/equivalence.tie_margin_for); set per model in __init__
     noisy_numerics = True
+    backend_fault = None  # a backend as loaded: its forward is llama.cpp's own
 
     def __init__(self, path: str | Path, sha256: str, *, batch_invariant: bool = False):
         ll = bindings()
@@ -169,6 +170,17 @@ class GgmlModel:
         """The GGUF file's SHA-256 (the weights as shipped), marked as run by ggml."""
         return f"ggml:{self.sha256}"
 
+    @property
+    def lib(self):
+        """The llama-cpp-python low-level bindings (lib.bindings()) this model was loaded with:
+        what its caches call llama.cpp through."""
+        return self._ll
+
+    def new_context(self, params):
+        """A llama.cpp context over this model's weights, made with `params` (a
+        llama_context_params): a cache's own; NULL where llama.cpp cannot make one."""
+        return self._ll.llama_init_from_model(self._model, params)
+
     def new_cache(self, max_rows: int, max_len: int) -> GgmlCache:
         if self.batch_invariant:
             return GgmlOrderedCache(self, max_rows, max_len)
@@ -176,8 +188,8 @@ class GgmlModel:
 
     @property
     def supports_trees(self) -> bool:
-        """Whether forward(tree=...) verifies a draft tree in one pass: by giving a token the
-        sequence ids of every branch under it. The batch-invariant cache keeps one sequence per
+        """Whether forward(tree=...) runs a tree of branches in one pass: by giving a token the
+        sequence ids of every branch through it. The batch-invariant cache keeps one sequence per
         row in a fixed cell order (ordered.py) and has no such pass."""
         return not self.batch_invariant
 
@@ -192,10 +204,10 @@ class GgmlModel:
         kvcache.MAX_DECODE_TOKENS tokens (a verify pass is one). Returns logits [B,T,V] (zeros at
         padding), or [B,V] at each row's last valid token with last_only.
 
-        tree = (depth [B,T], visible [B,T,T]) (verify/tree.layout): the tokens are a draft
-        tree's slots, each at position start + depth and in the sequences of every branch
+        tree = (depth [B,T], visible [B,T,T]) (the CausalLM protocol): the tokens are the slots
+        of a tree, each at position start + depth and in the sequences of every branch
         (root-to-leaf path) through it, so that it attends to its ancestors and to no sibling;
-        GgmlCache.keep_slots() then keeps the accepted path.
+        GgmlCache.keep_slots() then keeps one path.
         """
         if num_layers is not None and num_layers != self.config.num_layers:
             raise UnsupportedFeatureError(LAYER_SKIP_UNSUPPORTED)
@@ -249,7 +261,7 @@ class GgmlModel:
 def _branches(visible: np.ndarray, rows: list[int], n_l: list[int]):
     """A tree feed's branches: per token (row after row), how many root-to-leaf paths of its
     row pass through it and which ([N], [N, TREE_MAX_BRANCHES]); per row, slot -> the first
-    branch through it. visible [B,T,T] (verify/tree.layout): slot u is t or an ancestor of t."""
+    branch through it. visible [B,T,T]: slot u is t or an ancestor of t."""
     from .kvcache import TREE_MAX_BRANCHES
 
     N = sum(n_l)
