@@ -9,8 +9,9 @@ and compare, over the accepted drafts plus the first rejected one (later drafts 
 conditioned on a rejected token and cannot be recomputed from the final sequence):
 
 * prompt lookup: `lookup_continuation` on the prefix (exact, integer logic);
-* suffix decoding without its global cache: a fresh request trie fed the same prefixes
-  (exact; with the global cache a draft depends on earlier requests and is not replayed);
+* a replayable drafter (suffix decoding without its global cache): a fresh replica of it
+  (Drafter.replica) fed the same prefixes (exact; with the global cache a draft depends on
+  earlier requests and is not replayed);
 * layer-skip: the target's first N layers + final norm + head, teacher-forced;
 * draft model: the draft model, teacher-forced; greedy drafts are its argmax.
 
@@ -21,9 +22,10 @@ TIE_MARGIN on an fp32 backend, the measured batching noise on a noisy one (tie_m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..drafters.lookup import lookup_continuation
+from ..sampling import SamplingParams
 from .checks import CheckResult
 from .context import AuditContext, GreedyRuns
 from .equivalence import TIE_MARGIN, prefix_cache, teacher_forced_logits, tie_margin_for
@@ -33,9 +35,9 @@ MAX_LISTED = 20
 
 @dataclass(frozen=True)
 class Oracle:
-    kind: str  # "lookup" | "suffix" | "model"
+    kind: str  # "lookup" | "replay" | "model"
     max_ngram: int = 0  # lookup
-    suffix: object = None  # suffix: drafters.suffix.SuffixSettings (no global cache)
+    drafter: object = None  # replay: the replayable drafter, whose replica() a request replays on
     model: object = None  # model: the CausalLM whose argmax a greedy draft is
     num_layers: int | None = None  # layer-skip depth
 
@@ -46,8 +48,8 @@ def oracle_for(drafter, target_model) -> Oracle | None:
     first layers. None: nothing to recompute its drafts from."""
     if drafter.lookup_ngram is not None:
         return Oracle("lookup", max_ngram=drafter.lookup_ngram)
-    if getattr(drafter, "replayable", False):  # suffix decoding without its global cache
-        return Oracle("suffix", suffix=drafter.settings)
+    if drafter.replayable:
+        return Oracle("replay", drafter=drafter)
     if drafter.draft_layers is not None:
         return Oracle("model", model=target_model, num_layers=drafter.draft_layers)
     if drafter.draft_model is not None:
@@ -71,33 +73,32 @@ def check_request(oracle: Oracle, req, k: int, logits_cache: dict,
         logits, best = logits_cache[key]
     compared, ties, bad = 0, 0, []
     replay = None
-    if oracle.kind == "suffix":  # one trie per request, fed as its prefixes grow
-        from ..drafters.suffix import SuffixDrafter
-        replay = SuffixDrafter(replace(oracle.suffix, cache_nodes=0))
+    if oracle.kind == "replay":  # one replica per request, fed as its prefixes grow
+        replay = oracle.drafter.replica()
         replay.admit([0], [full[:P]])
     trees = req.stats.trace_trees or [None] * len(req.stats.trace)
     proposed = req.stats.trace_asked or [a for _, _, _, a in req.stats.trace]
     for step, ((n0, drafted, acc, asked), tree, ask) in enumerate(zip(req.stats.trace, trees, proposed)):
         k_eff = min(asked, k)  # what the engine asked the drafter for (policy choice, capped)
-        if oracle.kind == "suffix" and oracle.suffix.width > 1 and k_eff:
+        if oracle.kind == "replay" and replay.tree_width > 1 and k_eff:
             # a tree drafter: its whole proposal is a function of the prefix, asked for `ask`
             # nodes and kept to the verified prefix by the policy
-            want = replay.tree(0, full[:n0], min(ask, k))
+            want = _replayed(replay, full[:n0], min(ask, k))
             chain = drafted[:k_eff]  # a step whose kept drafts do not branch is a chain
             got = tree if tree is not None else (chain, list(range(-1, len(chain) - 1)))
-            exp = (want.tokens[:k_eff], want.parents[:k_eff])
+            exp = (want[0][:k_eff], want[1][:k_eff])
             if (list(got[0]), list(got[1])) != (list(exp[0]), list(exp[1])):
                 bad.append({"step": step, "position": n0, "drafted": list(got[0]), "parents": list(got[1]),
                             "expected": list(exp[0]), "expected_parents": list(exp[1])})
             else:
                 compared += len(got[0])
             continue
-        if oracle.kind in ("lookup", "suffix"):
+        if oracle.kind in ("lookup", "replay"):
             if not k_eff:
                 expected = []
             elif replay is not None:
                 # proposed with what the drafter was asked for, kept to what was verified
-                expected = replay.continuation(0, full[:n0], min(ask, k))[:k_eff]
+                expected = _replayed(replay, full[:n0], min(ask, k))[0][:k_eff]
             else:
                 expected = lookup_continuation(full[:n0], k_eff, oracle.max_ngram)
             if len(drafted) != len(expected):
@@ -113,7 +114,7 @@ def check_request(oracle: Oracle, req, k: int, logits_cache: dict,
             if pos >= len(full) or full[n0:n0 + i] != drafted[:i]:
                 break  # the request stopped inside the accepted drafts: no committed context
             compared += 1
-            if oracle.kind in ("lookup", "suffix"):
+            if oracle.kind in ("lookup", "replay"):
                 if drafted[i] != expected[i]:
                     bad.append({"step": step, "position": pos + 1, "drafted": drafted[i],
                                 "expected": expected[i]})
@@ -128,6 +129,16 @@ def check_request(oracle: Oracle, req, k: int, logits_cache: dict,
                 bad.append({"step": step, "position": pos + 1, "drafted": drafted[i], "expected": best[j],
                             "logit_gap": gap})
     return compared, ties, bad
+
+
+def _replayed(replica, prefix: list[int], n: int) -> tuple[list[int], list[int]]:
+    """(drafts, their parents) that a replica, admitted on row 0, proposes from prefix when
+    asked for n: the parents its propose() found (a tree drafter's), else a chain's."""
+    drafts, _, num = replica.propose([0], [prefix], [n], [SamplingParams(temperature=0.0)], [None])
+    tokens = drafts[0, :int(num[0])].tolist()
+    if replica.tree_width > 1:
+        return tokens, list(replica.found_parents[0])
+    return tokens, list(range(-1, len(tokens) - 1))
 
 
 def drafter_consistency_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:

@@ -27,6 +27,9 @@ Drafter protocol (all row arguments are KV-cache rows of the engine's target cac
         model-free drafter's counts); None where it has none. The policy's trim() reads it
         (through a calibration it learns), never the target's verdicts.
     rollback(rows, committed)           the target kept committed[b] tokens in cache
+    replayable: bool, replica()         (optional) drafts are a function of the request's own
+        prefix: replica() is a fresh drafter with the same settings that the audit replays
+        each request on (suffix decoding without its global cache; base.py)
     release(rows)                       the rows' requests left the batch
     hooks: DrafterHooks | None          (optional) seams a test breaks on purpose (base.py)
 """

@@ -80,6 +80,16 @@ class Drafter(ABC):
     draft_model = None
     draft_layers: int | None = None
     lookup_ngram: int | None = None
+    # A model-free drafter whose drafts are a function of the request's own prefix and of
+    # settings it keeps (suffix decoding without its global cache): replica() gives the
+    # audit a fresh one that recomputes them. Prompt lookup is recomputed from lookup_ngram.
+    replayable: bool = False
+
+    def replica(self) -> "Drafter":
+        """A fresh drafter with this one's settings and nothing learnt from other requests
+        (replayable drafters only): admitted a request's prompt on a row, its propose() from
+        each later prefix of the request drafts what a correct drafter of this kind drafts."""
+        raise NotImplementedError(f"drafter {self.name!r} is not replayable")
 
     def map_models(self, fn) -> None:
         """Replace each model this drafter drafts with by fn(model) (a view of it: the audit's

@@ -18,7 +18,7 @@ and the next proposal rebuilds it from the sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -91,6 +91,10 @@ class SuffixDrafter(Drafter):
         """Whether a draft is a function of the request's own prefix alone (no global
         cache), so that the audit can recompute it, a tree as well as a chain."""
         return self.cache is None
+
+    def replica(self) -> "SuffixDrafter":
+        """A suffix drafter with these settings and no global cache (Drafter.replica)."""
+        return SuffixDrafter(replace(self.settings, cache_nodes=0))
 
     def identity(self) -> dict:
         s = self.settings
