@@ -150,77 +150,61 @@ def prefix_cache():
 
 
 # -- the equivalence check offline: speculative greedy output against plain batch 1 -------------
-def equivalence_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
-    margins: dict[tuple[int, int], Any] = {}  # (prompt, index) -> reference logits there
+class _ReferenceLogits:
+    """The reference's logits at (prompt, index), each computed once: the null run and every
+    configuration compare against the same reference."""
 
-    def margin_fn_for(i):
+    def __init__(self, model):
+        self.model = model
+        self.logits: dict[tuple[int, int], Any] = {}  # (prompt, index) -> reference logits there
+
+    def for_prompt(self, i: int):
+        """compare's margin_fn for prompt i."""
         def fn(prompt, ref, index):
-            if (i, index) not in margins:
-                margins[(i, index)] = reference_logits_at(ctx.model, prompt, ref, index)
-            return margins[(i, index)]
+            if (i, index) not in self.logits:
+                self.logits[(i, index)] = reference_logits_at(self.model, prompt, ref, index)
+            return self.logits[(i, index)]
         return fn
 
-    per_batch, rows, failures = [], [], []
+
+@dataclass(frozen=True)
+class _Bar:
+    """What a configuration's differences from the reference are judged by."""
+
+    tie_margin: float  # fixed on fp32 backends, the measured noise on noisy ones
+    null: dict | None  # the null run (a backend whose numerics move with batching), else None
+    alpha: float  # NULL_ALPHA over the configurations
+    batch_invariant: bool  # bitwise identity promised: no near-tie is excused
+
+
+def equivalence_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
+    """Every greedy speculative output against plain decoding at batch 1, under each
+    configuration: identical, a near-tie (the reference's top-2 logit margin at the first
+    divergence below the backend's tie margin) or a divergence; on a backend whose numerics
+    move with batching, against its own null run."""
+    logits = _ReferenceLogits(ctx.model)
     tie = tie_margin_for(ctx.model)  # fixed on fp32 backends, the measured noise on noisy ones
-    null = null_run(ctx, runs, margin_fn_for, tie) if "noise_top2_gap" in tie else None
+    null = null_run(ctx, runs, logits.for_prompt, tie) if "noise_top2_gap" in tie else None
     configs = [(b, reqs, ctx.config.policy) for b, reqs in sorted(runs.speculative.items())]
     if runs.forced is not None:
         configs.append((runs.forced[0], runs.forced[1], f"fixed k={ctx.config.forced_k}"))
-    alpha = NULL_ALPHA / len(configs)
-    total = sum(len(reqs) for _, reqs, _ in configs)
-    with ctx.progress.stage("equivalence: margins", total) as bar:
+    bar = _Bar(tie["value"], null, NULL_ALPHA / len(configs), ctx.config.batch_invariant)
+    per_batch, rows, failures = [], [], []
+    with ctx.progress.stage("equivalence: margins", sum(len(reqs) for _, reqs, _ in configs)) as pbar:
         for b, reqs, policy in configs:
-            counts = {"identical": 0, "near-tie": 0, "divergence": 0}
-            for i, (ref, got) in enumerate(zip(runs.reference, reqs)):
-                c = compare(ctx.prompt_ids[i], ref.output_ids, got.output_ids, margin_fn_for(i),
-                            tie["value"])
-                counts[c.verdict] += 1
-                rows.append({"batch": b, "policy": policy, "id": ctx.prompts[i].id,
-                             "slice": ctx.prompts[i].slice, **c.to_dict()})
-                bar.advance()
-            n = len(reqs)
-            rate = counts["identical"] / n
-            # rate >= EXACT_MATCH_MIN, i.e. misses <= floor(5% of n) - but at least one near-tie
-            # is tolerated, or 16 prompts would turn one benign numerical flip into a failure
-            # batch-invariant mode promises bitwise identity: no near-tie is excused there
-            allowance = 0 if ctx.config.batch_invariant else near_tie_allowance(n)
-            ok, fisher = against_null(counts, n, null, alpha, allowance)  # a noisy backend: against its null
-            drafted = sum(r.stats.drafted for r in reqs)
-            per_batch.append({"batch": b, "policy": policy, "rows_decoded_together": min(b, n), "prompts": n,
-                              "exact_match_rate": rate, **counts, "drafted": drafted,
-                              "accepted": sum(r.stats.accepted for r in reqs), "passed": ok,
-                              **({} if fisher is None else {"fisher_p_vs_null": fisher, "alpha": alpha})})
-            where = f"b={b}" if policy == ctx.config.policy else f"b={b} ({policy})"
-            if counts["divergence"]:
-                failures.append(f"{where}: {counts['divergence']} divergence(s) at a clear margin")
-            elif not ok and fisher is not None:
-                failures.append(f"{where}: {n - counts['identical']}/{n} differ against the null run's "
-                                f"{null['differ']}/{null['prompts']} (Fisher p = {fisher:.2g} < {alpha:.2g})")
-            elif not ok:
-                failures.append(f"{where}: exact match {rate:.0%} < {EXACT_MATCH_MIN:.0%}")
+            row, failure = _judge_config(ctx, runs.reference, b, reqs, policy, logits, bar, rows, pbar)
+            per_batch.append(row)
+            failures += [failure] if failure else []
     found, inconclusive = null_findings(tie, null)
     failures = found + failures
-    main = [r for r in per_batch if r["policy"] == ctx.config.policy]
-    worst = min(per_batch, key=lambda r: r["exact_match_rate"])
-    passed = not failures
-    summary = ("exact match " + ", ".join(f"b{r['batch']} {r['exact_match_rate']:.0%}" for r in main)
-               + "".join(f", b{r['batch']} {r['policy']} {r['exact_match_rate']:.0%}"
-                         for r in per_batch if r not in main)
-               + f"; {sum(r['drafted'] for r in per_batch)} drafts verified"
-               + ("" if null is None else
-                  f"; {tie.get('backend') or 'noisy backend'}: near-tie margin {null['tie_margin']:.3g} "
-                  f"(measured batching noise; null run, plain b={null['batch']}: "
-                  f"{null['differ']}/{null['prompts']} differ, {null['beyond_noise']} beyond the noise)")
-               + ("" if passed else "; " + "; ".join(failures)))
     trees = tree_steps([r for _, reqs, _ in configs for r in reqs])
-    if trees["tree_steps"]:
-        summary += (f"; {trees['tree_steps']} draft-tree steps verified, {trees['tree_later_sibling']} "
-                    "taken off a later sibling")
+    summary = _summary(ctx.config.policy, per_batch, tie, null, failures, trees)
+    main = [r for r in per_batch if r["policy"] == ctx.config.policy]
     figures = {"exact_match_by_batch": {str(r["batch"]): r["exact_match_rate"] for r in main},
                **trees,
                "forced_exact_match": next((r["exact_match_rate"] for r in per_batch if r not in main), None),
                "drafts_verified": sum(r["drafted"] for r in per_batch),
-               "min_exact_match": worst["exact_match_rate"],
+               "min_exact_match": min(per_batch, key=lambda r: r["exact_match_rate"])["exact_match_rate"],
                "divergences": sum(r["divergence"] for r in per_batch),
                "near_ties": sum(r["near-tie"] for r in per_batch),
                "tie_margin": tie["value"], "tie_margin_source": tie,
@@ -229,8 +213,60 @@ def equivalence_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResult:
                "near_tie_allowance": near_tie_allowance(len(runs.reference)) if null is None else None,
                "prompts": len(runs.reference), "max_new_tokens": ctx.config.sizes.max_new_tokens,
                "reference": "plain decoding, batch 1, greedy", "greedy_seconds": round(runs.seconds, 1)}
-    return CheckResult(passed, summary, figures,
-                       {"per_batch": per_batch, "prompts": rows})
+    return CheckResult(not failures, summary, figures, {"per_batch": per_batch, "prompts": rows})
+
+
+def _judge_config(ctx: AuditContext, reference: list[Request], b: int, reqs: list[Request], policy: str,
+                  logits: _ReferenceLogits, bar: _Bar, rows: list, pbar) -> tuple[dict, str | None]:
+    """One configuration's outputs, each compared with the reference's: -> (its row of counts,
+    why it fails or None); every output's comparison goes to rows."""
+    counts = {"identical": 0, "near-tie": 0, "divergence": 0}
+    for i, (ref, got) in enumerate(zip(reference, reqs)):
+        c = compare(ctx.prompt_ids[i], ref.output_ids, got.output_ids, logits.for_prompt(i), bar.tie_margin)
+        counts[c.verdict] += 1
+        rows.append({"batch": b, "policy": policy, "id": ctx.prompts[i].id, "slice": ctx.prompts[i].slice,
+                     **c.to_dict()})
+        pbar.advance()
+    n = len(reqs)
+    rate = counts["identical"] / n
+    # rate >= EXACT_MATCH_MIN, i.e. misses <= floor(5% of n) - but at least one near-tie
+    # is tolerated, or 16 prompts would turn one benign numerical flip into a failure
+    # batch-invariant mode promises bitwise identity: no near-tie is excused there
+    allowance = 0 if bar.batch_invariant else near_tie_allowance(n)
+    ok, fisher = against_null(counts, n, bar.null, bar.alpha, allowance)  # a noisy backend: against its null
+    row = {"batch": b, "policy": policy, "rows_decoded_together": min(b, n), "prompts": n,
+           "exact_match_rate": rate, **counts, "drafted": sum(r.stats.drafted for r in reqs),
+           "accepted": sum(r.stats.accepted for r in reqs), "passed": ok,
+           **({} if fisher is None else {"fisher_p_vs_null": fisher, "alpha": bar.alpha})}
+    where = f"b={b}" if policy == ctx.config.policy else f"b={b} ({policy})"
+    if counts["divergence"]:
+        return row, f"{where}: {counts['divergence']} divergence(s) at a clear margin"
+    if not ok and fisher is not None:
+        return row, (f"{where}: {n - counts['identical']}/{n} differ against the null run's "
+                     f"{bar.null['differ']}/{bar.null['prompts']} (Fisher p = {fisher:.2g} < {bar.alpha:.2g})")
+    if not ok:
+        return row, f"{where}: exact match {rate:.0%} < {EXACT_MATCH_MIN:.0%}"
+    return row, None
+
+
+def _summary(policy: str, per_batch: list[dict], tie: dict, null: dict | None, failures: list[str],
+             trees: dict) -> str:
+    """The line a person reads first: the exact-match rate of each configuration, the drafts
+    verified, the backend's noise and null run where measured, and what failed."""
+    main = [r for r in per_batch if r["policy"] == policy]
+    summary = ("exact match " + ", ".join(f"b{r['batch']} {r['exact_match_rate']:.0%}" for r in main)
+               + "".join(f", b{r['batch']} {r['policy']} {r['exact_match_rate']:.0%}"
+                         for r in per_batch if r not in main)
+               + f"; {sum(r['drafted'] for r in per_batch)} drafts verified"
+               + ("" if null is None else
+                  f"; {tie.get('backend') or 'noisy backend'}: near-tie margin {null['tie_margin']:.3g} "
+                  f"(measured batching noise; null run, plain b={null['batch']}: "
+                  f"{null['differ']}/{null['prompts']} differ, {null['beyond_noise']} beyond the noise)")
+               + ("" if not failures else "; " + "; ".join(failures)))
+    if trees["tree_steps"]:
+        summary += (f"; {trees['tree_steps']} draft-tree steps verified, {trees['tree_later_sibling']} "
+                    "taken off a later sibling")
+    return summary
 
 
 def tree_steps(reqs) -> dict:
