@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..policy import FixedK
-from ..verify import LOSSY_RULES, RULES
+from ..verify import LOSSY_RULES, PAD, RULES
 from ..verify.rules import argmax_last
 from ..verify.tree import depths as tree_depths, is_chain
 from ..models.prefill import prefill
@@ -103,43 +103,74 @@ class RowChurn:
                 "gapped_steps": self.gapped_steps, "mixed_length_steps": self.mixed_length_steps}
 
 
-@dataclass(eq=False)
-class StepRecord:
-    """What one step knows, filled in phase by phase (Engine._step)."""
+# The step's phases (Engine._step) pass records: each phase reads the records before it and
+# returns its own, frozen, which no later phase changes.
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The rows a step decodes, as they stand when it starts."""
 
     reqs: list[Request]
+    rows: list[int]  # their cache rows
+    n0: list[int]  # their sequence lengths; the target cache holds n0 - 1
     t0: float  # the step's start
-    k: list[int] = field(default_factory=list)  # drafts per row, as the policy settled it
-    asked: list[int] = field(default_factory=list)  # drafts per row asked of the drafter (before halt/trim)
-    K: int = 0  # the widest row's drafts found (the verify pass is K + 1 wide)
-    drafts: torch.Tensor | None = None  # [B,K] long
-    q: torch.Tensor | None = None  # [B,K,V] the drafter's q, or None (one-hot)
-    num: torch.Tensor | None = None  # [B] drafts found per row
-    num_l: list[int] = field(default_factory=list)
-    logits: torch.Tensor | None = None  # [B,K+1,V]
-    out: torch.Tensor | None = None  # [B,K+1] emitted tokens (-1 past a row's run)
-    n_acc: torch.Tensor | None = None  # [B] accepted drafts
-    acc_l: list[int] = field(default_factory=list)
-    failed: dict = field(default_factory=dict)  # row index -> why it failed
-    n_out: int = 0  # tokens appended in the commit
-    prep_s: float = 0.0  # the drafter's deferred prefill (counted as prefill)
-    committed: bool = False  # the commit point passed: tokens appended, caches rolled back
-    t_draft: float = 0.0  # drafting starts
-    t_verify: float = 0.0  # drafting ends
-    t_accept: float = 0.0  # the verify pass ends
 
-    # a draft tree step (some row's drafts branch; verify/tree.py): each row's node parents
-    # (a chain for a linear row), the slots' depths [B,K+1] and each row's kept slots
-    parents: list[list[int]] | None = None
-    depth: torch.Tensor | None = None
-    paths: dict = field(default_factory=dict)  # row index -> slots kept (root first)
+    @classmethod
+    def of(cls, reqs: list[Request]) -> "StepRows":
+        return cls(reqs, [r.row for r in reqs], [len(r.tokens) for r in reqs], time.perf_counter())
 
-    B: int = 0
-    rows: list[int] = field(default_factory=list)
-    n0: list[int] = field(default_factory=list)  # sequence lengths; the cache holds n0 - 1
+    @property
+    def B(self) -> int:
+        return len(self.reqs)
 
-    def __post_init__(self):
-        self.B, self.rows, self.n0 = len(self.reqs), [r.row for r in self.reqs], [len(r.tokens) for r in self.reqs]
+
+@dataclass(frozen=True)
+class Drafts:
+    """What _propose produces: the drafts one target pass verifies."""
+
+    asked: list[int]  # drafts per row asked of the drafter (the policy's choice, capped)
+    k: list[int]  # drafts per row as the policy settled them (a halt or a trim): what observe() is told
+    K: int  # the widest row's drafts found (the verify pass is K + 1 wide)
+    drafts: torch.Tensor  # [B,K] long
+    q: torch.Tensor | None  # [B,K,V] the drafter's q, or None (one-hot)
+    num: torch.Tensor  # [B] drafts found per row
+    num_l: list[int]  # num as a list (one sync, read per row by every later phase)
+    # a draft tree step (some row's drafts branch; verify/tree.py): each row's node parents (a
+    # chain for a linear row); None: every row drafts linearly
+    parents: list[list[int]] | None
+    prep_s: float  # the drafter's deferred prefill (counted as prefill)
+    t_start: float  # drafting starts
+    t_end: float  # drafting ends
+
+
+@dataclass(frozen=True)
+class TargetPass:
+    """What _verify produces: the target's logits over each row's [pending, drafts]."""
+
+    logits: torch.Tensor  # [B,K+1,V]
+    depth: torch.Tensor | None  # [B,K+1] each slot's depth in a tree step; None: linear
+    failed: dict[int, str]  # row index -> why it failed (its logits are not finite)
+    t_end: float  # the pass ends
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What _accept_rows produces: each row's emitted tokens."""
+
+    out: torch.Tensor  # [B,K+1] emitted tokens (PAD past a row's run)
+    n_acc: torch.Tensor  # [B] accepted drafts
+    failed: dict[int, str]  # row index -> why it failed, in the pass or in its verdict
+    paths: dict[int, list[int]]  # a tree step: row index -> the slots it keeps (root first)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What _commit produces: the step's outcome once its tokens are appended."""
+
+    ended: list[Request]  # the requests that finished in the step
+    acc_l: list[int]  # accepted drafts per row
+    n_out: int  # tokens appended
 
 
 class Engine:
@@ -169,9 +200,9 @@ class Engine:
         self._verify_rule = h.verify
         self._tree_layout, self._tree_walk = h.tree_layout, h.tree_walk
         width = 1 if drafter is None else drafter.tree_width
-        if width > 1 and not getattr(target, "supports_trees", False):
+        if width > 1 and not target.supports_trees:
             raise ValueError(f"drafter {drafter.name!r} proposes trees of {width} branches, which this "
-                             f"{getattr(target, 'runtime', 'model')} backend cannot verify in one pass "
+                             f"{target.runtime} backend cannot verify in one pass "
                              "(ggml in batch-invariant mode keeps one sequence per row): use width=1")
         if width > 1 and config.lossy:
             raise ValueError(f"rule {config.rule!r} verifies linear drafts only; draft trees need an exact rule")
@@ -328,36 +359,37 @@ class Engine:
         self._finish(r, "error")
 
     def _step(self, reqs: list[Request]) -> list[Request]:
-        """One step over the running rows, as named phases over one record (StepRecord)."""
-        s = StepRecord(reqs, time.perf_counter())
-        self._choose(s)
-        self._propose(s)
-        self._verify(s)
-        self._accept_rows(s)
-        finished = self._commit(s)
-        self._observe(s)
-        return finished
+        """One step over the running rows: each phase takes the records it reads and returns
+        its own (StepRows, Drafts, TargetPass, Verdict, Committed)."""
+        s = StepRows.of(reqs)
+        d = self._propose(s, self._choose(s))  # 1-2. how many drafts per row; the drafts
+        t = self._verify(s, d)  # 3. one target pass over [pending, drafts]
+        v = self._accept_rows(s, d, t)  # 4. each row's verdict
+        c = self._commit(s, d, v)  # 5. append, stop, roll back: the commit point
+        self._observe(s, d, t, v, c)  # 6. the policy learns the outcome; times
+        return c.ended
 
-    def _choose(self, s: "StepRecord") -> None:
+    def _choose(self, s: StepRows) -> list[int]:
         """How many drafts per row: the policy's choice, capped by what the row can still emit."""
         k = self.policy.choose(s.reqs) if self.drafter is not None else [0] * s.B
-        s.k = [max(0, min(kb, self._draft_budget(r))) for kb, r in zip(k, s.reqs)]
-        s.asked = list(s.k)
+        return [max(0, min(kb, self._draft_budget(r))) for kb, r in zip(k, s.reqs)]
 
-    def _propose(self, s: "StepRecord") -> None:
-        """The drafts. Work the drafter deferred until a row drafts (a draft model's
-        prefill) is done first and counted as prefill. A policy that halts stops rows while
-        a drafter that takes a halt rule drafts, on the drafter's own confidence; one that
-        trims settles how many of the drafts found to verify. Either way s.k becomes what
-        the policy settled on, which is what observe() is told it asked for."""
-        reqs, rows, k = s.reqs, s.rows, s.k
+    def _propose(self, s: StepRows, k: list[int]) -> Drafts:
+        """The drafts, k[b] asked for row b. Work the drafter deferred until a row drafts (a
+        draft model's prefill) is done first and counted as prefill. A policy that halts stops
+        rows while a drafter that takes a halt rule drafts, on the drafter's own confidence;
+        one that trims settles how many of the drafts found to verify. Either way Drafts.k is
+        what the policy settled on, which is what observe() is told it asked for."""
+        reqs, rows = s.reqs, s.rows
+        prep_s = 0.0
         if max(k) > 0:
             tp = time.perf_counter()
             drafting = [b for b in range(s.B) if k[b] > 0]
             self.drafter.prepare([rows[b] for b in drafting], [reqs[b].tokens for b in drafting])
-            s.prep_s = time.perf_counter() - tp
-            self.times.prefill_s += s.prep_s
-        s.t_draft = time.perf_counter()
+            prep_s = time.perf_counter() - tp
+            self.times.prefill_s += prep_s
+        t_start = time.perf_counter()
+        settled = k
         halt = self.policy.halt if self.policy.halts and self.drafter.halts else None
         if max(k) > 0:
             kw = {} if halt is None else {"halt": lambda i, active, conf: halt(reqs, k, i, active, conf)}
@@ -365,10 +397,10 @@ class Engine:
                                                    [r.params.sampling for r in reqs],
                                                    [r.generator for r in reqs], **kw)
             if halt is not None:
-                s.k = num.tolist()
+                settled = num.tolist()
         else:
             drafts, q, num = torch.zeros(s.B, 0, dtype=torch.long), None, torch.zeros(s.B, dtype=torch.long)
-        s.t_verify = time.perf_counter()  # trimming counts with the verify pass
+        t_end = time.perf_counter()  # trimming counts with the verify pass
         parents = self.drafter.found_parents if max(k) > 0 else None  # a tree per row, or None
         if max(k) > 0 and self.policy.trims:
             kw = {}
@@ -378,108 +410,130 @@ class Engine:
                 kw["parents"] = parents
             kept = self.policy.trim(reqs, num.tolist(), **kw)
             num = torch.minimum(num, torch.tensor(kept, dtype=torch.long))
-            s.k = num.tolist()
+            settled = num.tolist()
+        tree = None
         if parents is not None:  # a kept prefix of a best-first tree is a tree
             trimmed = [list(p[:n]) for p, n in zip(parents, num.tolist())]
             if not all(is_chain(p) for p in trimmed):
-                s.parents = trimmed
+                tree = trimmed
         # a drafter may find fewer drafts than asked (prompt lookup without a match): no
         # pass pays for padding columns that no row uses
-        s.K = int(num.max())
-        s.drafts, s.num, s.num_l = drafts[:, :s.K], num, num.tolist()
-        s.q = None if q is None else q[:, :s.K]
+        K = int(num.max())
+        return Drafts(asked=list(k), k=settled, K=K, drafts=drafts[:, :K], q=None if q is None else q[:, :K],
+                      num=num, num_l=num.tolist(), parents=tree, prep_s=prep_s, t_start=t_start, t_end=t_end)
 
-    def _verify(self, s: "StepRecord") -> None:
+    def _verify(self, s: StepRows, d: Drafts) -> TargetPass:
         """All rows in ONE target pass over [pending, d_1..d_k]; a row whose logits are not
         finite at the positions it verifies fails alone."""
         pending = self._pending_tokens(s.reqs, self.times.steps)  # [B,1]
-        x = torch.cat([pending, s.drafts], dim=1) if s.K else pending  # [B,K+1]
-        if s.parents is None:
-            s.logits = self.target.forward(x, self.cache, s.rows, [n + 1 for n in s.num_l])  # [B,K+1,V]
+        x = torch.cat([pending, d.drafts], dim=1) if d.K else pending  # [B,K+1]
+        depth = None
+        if d.parents is None:
+            logits = self.target.forward(x, self.cache, s.rows, [n + 1 for n in d.num_l])  # [B,K+1,V]
         else:
-            s.depth, visible = self._tree_layout(s.parents, s.K + 1)  # [B,K+1], [B,K+1,K+1]
-            s.logits = self.target.forward(x, self.cache, s.rows, [n + 1 for n in s.num_l],
-                                           tree=(s.depth, visible))
-        s.t_accept = time.perf_counter()
-        finite = finite_positions(s.logits)  # sync: [B][K+1] flags
-        s.failed = {b: "the model's logits are not finite" for b in range(s.B)
-                    if not all(finite[b][:s.num_l[b] + 1])}
+            depth, visible = self._tree_layout(d.parents, d.K + 1)  # [B,K+1], [B,K+1,K+1]
+            logits = self.target.forward(x, self.cache, s.rows, [n + 1 for n in d.num_l],
+                                         tree=(depth, visible))
+        t_end = time.perf_counter()
+        finite = finite_positions(logits)  # sync: [B][K+1] flags
+        failed = {b: "the model's logits are not finite" for b in range(s.B)
+                  if not all(finite[b][:d.num_l[b] + 1])}
+        return TargetPass(logits, depth, failed, t_end)
 
-    def _accept_rows(self, s: "StepRecord") -> None:
+    def _accept_rows(self, s: StepRows, d: Drafts, t: TargetPass) -> Verdict:
         """Accept per row: greedy rows together, sampled rows each with its own random
         source (noise keyed on (seed, position) for seeded rows, else a generator). A row
         whose sampling distribution is not finite, or whose rule raises, fails alone."""
-        B, K, logits, drafts, num = s.B, s.K, s.logits, s.drafts, s.num
-        if s.parents is not None:
-            return self._accept_tree(s)
-        greedy = [b for b, r in enumerate(s.reqs) if r.params.sampling.greedy and b not in s.failed]
+        if d.parents is not None:
+            return self._accept_tree(s, d, t)
+        B, K, logits, drafts, num = s.B, d.K, t.logits, d.drafts, d.num
+        failed = dict(t.failed)
+        greedy = [b for b, r in enumerate(s.reqs) if r.params.sampling.greedy and b not in failed]
         if len(greedy) == B:  # every row greedy: no copy of the logits
-            s.out, s.n_acc = self._verify_rule("greedy", logits, None, drafts, num, None)
-            return
-        s.out = torch.full((B, K + 1), -1, dtype=torch.long)  # [B,K+1]
-        s.n_acc = torch.zeros(B, dtype=torch.long)  # [B]
+            out, n_acc = self._verify_rule("greedy", logits, None, drafts, num, None)
+            return Verdict(out, n_acc, failed, {})
+        out = torch.full((B, K + 1), PAD, dtype=torch.long)  # [B,K+1]
+        n_acc = torch.zeros(B, dtype=torch.long)  # [B]
         if greedy:
             gi = torch.tensor(greedy)
-            s.out[gi], s.n_acc[gi] = self._verify_rule("greedy", logits[gi], None, drafts[gi], num[gi], None)
+            out[gi], n_acc[gi] = self._verify_rule("greedy", logits[gi], None, drafts[gi], num[gi], None)
         for b, r in enumerate(s.reqs):
             sp = r.params.sampling
-            if sp.greedy or b in s.failed:
+            if sp.greedy or b in failed:
                 continue
             try:
                 p = self._verify_probs(logits[b:b + 1], sp)  # [1,K+1,V]
                 if not bool(torch.isfinite(p[0, :int(num[b]) + 1]).all()):
                     raise FloatingPointError("the sampling distribution is not finite")
-                o, a = self._accept(b, r, p, s.q, drafts, num, s.n0[b], K)
+                o, a = self._accept_sampled(b, r, p, d.q, drafts, num, s.n0[b], K)
             except Exception as e:  # noqa: BLE001 - this row fails; the batch goes on
-                s.failed[b] = f"{type(e).__name__}: {e}"
+                failed[b] = f"{type(e).__name__}: {e}"
                 continue
-            s.out[b], s.n_acc[b] = o[0], a[0]
+            out[b], n_acc[b] = o[0], a[0]
+        return Verdict(out, n_acc, failed, {})
 
-    def _accept_tree(self, s: "StepRecord") -> None:
+    def _accept_sampled(self, b: int, r: Request, p, q, drafts, num, n0: int, K: int):
+        """Verify sampled row b (p [1,K+1,V]) with rule_for(r); coupled rows use the noise
+        keyed on (seed, sequence index) at indices n0..n0+K."""
+        rule = self.rule_for(r)
+        if rule == "coupled":
+            noise = self._coupled_noise(r, n0, K, p.shape[-1])[None]  # [1,K+1,V]
+            return self._verify_rule("coupled", p, None, drafts[b:b + 1], num[b:b + 1], noise)
+        qb = None if q is None else q[b:b + 1, :, :p.shape[-1]]  # [1,K,V]
+        return self._verify_rule(rule, p, qb, drafts[b:b + 1], num[b:b + 1], r.generator)
+
+    def _coupled_noise(self, r: Request, n0: int, depth: int, V: int) -> torch.Tensor:
+        """[depth+1,V]: the noise keyed on (r's seed, sequence index) at indices n0..n0+depth,
+        which seeded plain decoding adds to log p there. A chain's draft i and a tree's node at
+        depth i both read row i."""
+        return self._keyed_noise(r.params.sampling.seed, range(n0, n0 + depth + 1), V)
+
+    def _accept_tree(self, s: StepRows, d: Drafts, t: TargetPass) -> Verdict:
         """Accept a draft tree per row (verify/tree.walk): at each node the target's token is
         drawn as plain decoding draws it there (greedy: the argmax; seeded: the argmax of
         log p plus the noise keyed on (seed, sequence index), which depends on the node's
         depth; otherwise one draw from p with the request's generator), and the walk goes on
         while that token is a child. A row that fails fails alone."""
-        B, K = s.B, s.K
-        s.out = torch.full((B, K + 1), -1, dtype=torch.long)
-        s.n_acc = torch.zeros(B, dtype=torch.long)
-        depth_l = s.depth.tolist()
-        drafts_l = s.drafts.tolist()
+        B, K = s.B, d.K
+        out = torch.full((B, K + 1), PAD, dtype=torch.long)  # [B,K+1]
+        n_acc = torch.zeros(B, dtype=torch.long)  # [B]
+        failed, paths = dict(t.failed), {}
+        depth_l = t.depth.tolist()
+        drafts_l = d.drafts.tolist()
         for b, r in enumerate(s.reqs):
-            if b in s.failed:
+            if b in failed:
                 continue
-            n = s.num_l[b]
+            n = d.num_l[b]
             sp = r.params.sampling
             try:
                 rule = self.rule_for(r)
                 if rule == "greedy":
-                    best = argmax_last(s.logits[b, :n + 1].contiguous()).tolist()
-                    draw = lambda slot, d, best=best: best[slot]  # noqa: E731
+                    best = argmax_last(t.logits[b, :n + 1].contiguous()).tolist()
+                    draw = lambda slot, dp, best=best: best[slot]  # noqa: E731
                 else:
-                    p = self._verify_probs(s.logits[b:b + 1, :n + 1], sp)[0]  # [n+1,V]
+                    p = self._verify_probs(t.logits[b:b + 1, :n + 1], sp)[0]  # [n+1,V]
                     if not bool(torch.isfinite(p).all()):
                         raise FloatingPointError("the sampling distribution is not finite")
                     if rule == "coupled":
-                        dmax = max(depth_l[b][:n + 1])
-                        noise = self._keyed_noise(sp.seed, range(s.n0[b], s.n0[b] + dmax + 1), p.shape[-1])
-                        at = torch.tensor(depth_l[b][:n + 1])
-                        best = argmax_last((torch.log(p.double()) + noise[at]).contiguous()).tolist()
-                        draw = lambda slot, d, best=best: best[slot]  # noqa: E731
+                        at = depth_l[b][:n + 1]  # each slot's depth
+                        noise = self._coupled_noise(r, s.n0[b], max(at), p.shape[-1])  # [dmax+1,V]
+                        best = argmax_last((torch.log(p.double()) + noise[torch.tensor(at)]).contiguous()).tolist()
+                        draw = lambda slot, dp, best=best: best[slot]  # noqa: E731
                     else:  # one draw per emitted token from the request's generator, as plain decoding
                         g = r.generator
-                        draw = lambda slot, d, p=p, g=g: int(torch.multinomial(p[slot], 1, generator=g))  # noqa: E731
-                w = self._tree_walk(s.parents[b], drafts_l[b][:n], draw)
+                        draw = lambda slot, dp, p=p, g=g: int(torch.multinomial(p[slot], 1, generator=g))  # noqa: E731
+                w = self._tree_walk(d.parents[b], drafts_l[b][:n], draw)
             except Exception as e:  # noqa: BLE001 - this row fails; the batch goes on
-                s.failed[b] = f"{type(e).__name__}: {e}"
+                failed[b] = f"{type(e).__name__}: {e}"
                 continue
-            s.out[b, :len(w.tokens)] = torch.tensor(w.tokens)
-            s.n_acc[b] = w.accepted
-            s.paths[b] = w.slots
+            out[b, :len(w.tokens)] = torch.tensor(w.tokens)
+            n_acc[b] = w.accepted
+            paths[b] = w.slots
+        return Verdict(out, n_acc, failed, paths)
 
-    def _commit(self, s: "StepRecord") -> list[Request]:
+    def _commit(self, s: StepRows, d: Drafts, v: Verdict) -> Committed:
         """Append emitted tokens, apply stops, roll caches back to each row's length; end
-        the rows that finished or failed. -> the requests that finished.
+        the rows that finished or failed.
 
         Atomic: the tokens are appended first (the stop and length rules read the output
         as it grows), then the caches and the drafter roll back; if either raises, every
@@ -488,22 +542,22 @@ class Engine:
         succeeded the step is committed: nothing after it (the stats, ending rows,
         the policy's observation) may send the step back to be taken again."""
         reqs = s.reqs
-        out_l, s.acc_l = s.out.tolist(), s.n_acc.tolist()  # sync: one transfer for the whole batch
+        out_l, acc_l = v.out.tolist(), v.n_acc.tolist()  # sync: one transfer for the whole batch
         before = [len(r.output_ids) for r in reqs]
         committed, finished = [], []
         try:
             for b, r in enumerate(reqs):
-                if b in s.failed:  # keeps its pre-step length; freed below
+                if b in v.failed:  # keeps its pre-step length; freed below
                     committed.append(s.n0[b] - 1)
                     continue
-                reason = self._append(r, out_l[b][:s.acc_l[b] + 1])
+                reason = self._append(r, out_l[b][:acc_l[b] + 1])
                 committed.append(self._committed_length(r))
                 if reason:
                     finished.append((r, reason))
-            if s.paths:  # a tree step: each row's accepted path into place first
-                kept = sorted(s.paths)
+            if v.paths:  # a tree step: each row's accepted path into place first
+                kept = sorted(v.paths)
                 self.cache.keep_slots([s.rows[b] for b in kept], [s.n0[b] - 1 for b in kept],
-                                      [s.paths[b] for b in kept])
+                                      [v.paths[b] for b in kept])
             self.cache.truncate(s.rows, committed)
             if self.drafter is not None:
                 self.drafter.rollback(s.rows, committed)
@@ -511,58 +565,59 @@ class Engine:
             for r, n in zip(reqs, before):
                 del r.output_ids[n:]
             raise
-        s.committed = True
-        self._record(s)
+        n_out = self._record(s, d, v, acc_l)
         ended = []
         for r, reason in finished:
             self._end(r, reason, ended)
-        for b, why in s.failed.items():
+        for b, why in v.failed.items():
             self._end(reqs[b], "error", ended, why)
         done = {id(r) for r in ended}
         self.running = [r for r in reqs if id(r) not in done]
-        return ended
+        return Committed(ended, acc_l, n_out)
 
-    def _record(self, s: "StepRecord") -> None:
+    def _record(self, s: StepRows, d: Drafts, v: Verdict, acc_l: list[int]) -> int:
         """The committed step in each row's stats (and, with config.trace, in its trace;
-        without it, the step spends nothing on the trace)."""
-        trace = self._trace_lists(s) if self.config.trace else None
+        without it, the step spends nothing on the trace). -> tokens appended."""
+        trace = self._trace_lists(d) if self.config.trace else None
+        n_out = 0
         for b, r in enumerate(s.reqs):
-            if b in s.failed:
+            if b in v.failed:
                 continue
-            n = s.num_l[b]
-            tree = s.parents[b] if s.parents is not None and not is_chain(s.parents[b]) else None
-            r.stats.record_step(n, s.acc_l[b], None if tree is None else max(tree_depths(tree), default=0))
+            n = d.num_l[b]
+            tree = d.parents[b] if d.parents is not None and not is_chain(d.parents[b]) else None
+            r.stats.record_step(n, acc_l[b], None if tree is None else max(tree_depths(tree), default=0))
             if trace is not None:
                 drafts_l, qd_l, above_l = trace
                 if tree is None:
-                    r.stats.trace.append((s.n0[b], drafts_l[b][:n], s.acc_l[b], s.k[b]))
+                    r.stats.trace.append((s.n0[b], drafts_l[b][:n], acc_l[b], d.k[b]))
                     r.stats.trace_trees.append(None)
                 else:
-                    r.stats.trace.append((s.n0[b], _walked_branch(tree, drafts_l[b][:n], s.paths[b]),
-                                          s.acc_l[b], s.k[b]))
+                    r.stats.trace.append((s.n0[b], _walked_branch(tree, drafts_l[b][:n], v.paths[b]),
+                                          acc_l[b], d.k[b]))
                     r.stats.trace_trees.append((drafts_l[b][:n], list(tree)))
-                r.stats.trace_asked.append(s.asked[b])
+                r.stats.trace_asked.append(d.asked[b])
                 if self.rule_for(r) not in ("rejection", "typical-lossy"):  # rules that draw with a generator
                     r.stats.draft_q.append(None)
                     r.stats.draft_q_above.append(None)
                 else:  # no q from the drafter: q is one-hot at its draft (prompt lookup, a tree's nodes)
                     r.stats.draft_q.append(qd_l[b][:n] if qd_l is not None and tree is None else [1.0] * n)
                     r.stats.draft_q_above.append(above_l[b][:n] if above_l is not None else None)
-            s.n_out += len(r.output_ids) - r.stats.generated_tokens
+            n_out += len(r.output_ids) - r.stats.generated_tokens
             r.stats.generated_tokens = len(r.output_ids)
+        return n_out
 
     @staticmethod
-    def _trace_lists(s: "StepRecord") -> tuple[list, list | None, list | None]:
+    def _trace_lists(d: Drafts) -> tuple[list, list | None, list | None]:
         """The step's drafts [B][K]; q(d) of each, for the audit's calibration test; and the
         mass q puts on the tokens ranked before d (descending q, ties by id), for its test
         that the drafts are samples of the q the verifier read. None without a q (one-hot)."""
-        drafts_l = s.drafts.tolist()
-        if s.q is None or not s.drafts.numel():
+        drafts_l = d.drafts.tolist()
+        if d.q is None or not d.drafts.numel():
             return drafts_l, None, None
-        qd = s.q.gather(-1, s.drafts[..., None])  # [B,K,1]
-        ids = torch.arange(s.q.shape[-1])
-        before = (s.q > qd) | ((s.q == qd) & (ids < s.drafts[..., None]))  # [B,K,V]
-        return drafts_l, qd.squeeze(-1).tolist(), (s.q * before).sum(-1).tolist()
+        qd = d.q.gather(-1, d.drafts[..., None])  # [B,K,1]
+        ids = torch.arange(d.q.shape[-1])
+        before = (d.q > qd) | ((d.q == qd) & (ids < d.drafts[..., None]))  # [B,K,V]
+        return drafts_l, qd.squeeze(-1).tolist(), (d.q * before).sum(-1).tolist()
 
     def _end(self, r: Request, reason: str, ended: list, why: str | None = None) -> None:
         """End a row after the commit. Its tokens are committed; if freeing its rows
@@ -578,28 +633,28 @@ class Engine:
                        f"({type(e).__name__}: {e}); other requests were not affected")
         ended.append(r)
 
-    def _observe(self, s: "StepRecord") -> None:
+    def _observe(self, s: StepRows, d: Drafts, t: TargetPass, v: Verdict, c: Committed) -> None:
         """After the step, the policy learns its outcome (never earlier: it sees no verdict
-        before it chose): s.k as settled in _propose, accepted drafts per row, and times.
+        before it chose): d.k as settled in _propose, accepted drafts per row, and times.
         The step is committed by now: a policy that raises here is logged and the step
         stands (taking it again would emit its tokens twice)."""
-        draft_s, verify_s = s.t_verify - s.t_draft, s.t_accept - s.t_verify
+        draft_s, verify_s = d.t_end - d.t_start, t.t_end - d.t_end
         try:
-            if s.paths:
-                self.policy.observe_tree(s.reqs, s.parents, {b: [sl - 1 for sl in p[1:]] for b, p in s.paths.items()})
-            self.policy.observe(s.reqs, s.k, s.acc_l)
-            self.policy.observe_costs(s.B, s.K + 1, sum(kb > 0 for kb in s.k), max(s.k), draft_s, verify_s)
+            if v.paths:
+                self.policy.observe_tree(s.reqs, d.parents, {b: [sl - 1 for sl in p[1:]] for b, p in v.paths.items()})
+            self.policy.observe(s.reqs, d.k, c.acc_l)
+            self.policy.observe_costs(s.B, d.K + 1, sum(kb > 0 for kb in d.k), max(d.k), draft_s, verify_s)
         except Exception:  # noqa: BLE001 - a learning failure does not undo a committed step
             log.exception("the policy's observe() raised after a committed step; the step stands")
         t_end = time.perf_counter()
         self.times.draft_s += draft_s
         self.times.verify_forward_s += verify_s
-        self.times.other_s += (s.t_draft - s.t0 - s.prep_s) + (t_end - s.t_accept)
+        self.times.other_s += (d.t_start - s.t0 - d.prep_s) + (t_end - t.t_end)
         self.times.steps += 1
         if s.B > 1:  # one row has neither a gap nor another length
             self.churn.gapped_steps += max(s.rows) - min(s.rows) >= s.B  # rows are distinct
             self.churn.mixed_length_steps += min(s.n0) != max(s.n0)
-        self.times.per_step.append((s.B, sum(s.num_l), s.n_out, t_end - s.t0 - s.prep_s))  # prefill left out
+        self.times.per_step.append((s.B, sum(d.num_l), c.n_out, t_end - s.t0 - d.prep_s))  # prefill left out
 
     def rule_for(self, r: Request) -> str:
         """The rule that verifies request r's rows, as add() resolved it."""
@@ -614,16 +669,6 @@ class Engine:
         if self.config.rule == "typical-lossy":
             return "typical-lossy"
         return "coupled" if sp.keyed else "rejection"
-
-    def _accept(self, b: int, r: Request, p, q, drafts, num, n0: int, K: int):
-        """Verify sampled row b (p [1,K+1,V]) with rule_for(r); coupled rows use the noise
-        keyed on (seed, sequence index) at indices n0..n0+K."""
-        rule = self.rule_for(r)
-        if rule == "coupled":
-            noise = self._keyed_noise(r.params.sampling.seed, range(n0, n0 + K + 1), p.shape[-1])[None]  # [1,K+1,V]
-            return self._verify_rule("coupled", p, None, drafts[b:b + 1], num[b:b + 1], noise)
-        qb = None if q is None else q[b:b + 1, :, :p.shape[-1]]  # [1,K,V]
-        return self._verify_rule(rule, p, qb, drafts[b:b + 1], num[b:b + 1], r.generator)
 
     def run(self, requests: list[Request], on_finish=None, arrivals: list[int] | None = None) -> list[Request]:
         """Decode requests to completion with continuous batching (rows refill as others end).

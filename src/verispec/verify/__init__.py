@@ -3,6 +3,7 @@ reproducible), typical-lossy (lossy, Medusa)."""
 
 from verispec.verify.rules import (
     LOSSY_RULES,
+    PAD,
     RESIDUAL_EPS,
     RULES,
     VerifyResult,
@@ -16,6 +17,7 @@ from verispec.verify.rules import (
 
 __all__ = [
     "LOSSY_RULES",
+    "PAD",
     "RESIDUAL_EPS",
     "RULES",
     "VerifyResult",

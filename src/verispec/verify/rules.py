@@ -20,7 +20,7 @@ Words used throughout, defined once:
   token sampled from p at position ``num_drafts[b]`` (argmax for ``greedy``).
 
 Row b emits ``tokens[b, :num_accepted[b] + 1]``: its accepted tokens, then exactly
-one recovered or bonus token. The rest of the row is padding, -1.
+one recovered or bonus token. The rest of the row is padding, PAD (-1).
 
 Randomness is an argument (a per-request ``torch.Generator``), never the global
 RNG. ``rejection`` draws one uniform per real draft position (rows with no drafts
@@ -44,7 +44,10 @@ __all__ = [
     "typical_lossy",
     "sample_from_probs",
     "argmax_last",
+    "PAD",
 ]
+
+PAD = -1  # the token id of an output row's padding, past its recovered or bonus token
 
 # Residual mass (= probability of rejection when p and q are normalised) at or below
 # which the residual is treated as numerically zero; see `rejection`.
@@ -52,7 +55,7 @@ RESIDUAL_EPS = 1e-6
 
 
 class VerifyResult(NamedTuple):
-    tokens: torch.Tensor  # [B, K+1] long: accepted tokens, recovered/bonus token, then -1
+    tokens: torch.Tensor  # [B, K+1] long: accepted tokens, recovered/bonus token, then PAD
     num_accepted: torch.Tensor  # [B] long: accepted draft tokens per row
 
 
@@ -129,8 +132,8 @@ def _emit(
 ) -> VerifyResult:
     B, K = draft_tokens.shape
     pos = torch.arange(K, device=draft_tokens.device)
-    tokens = torch.full((B, K + 1), -1, dtype=torch.long, device=draft_tokens.device)
-    tokens[:, :K] = torch.where(pos < num_accepted[:, None], draft_tokens.long(), -1)
+    tokens = torch.full((B, K + 1), PAD, dtype=torch.long, device=draft_tokens.device)
+    tokens[:, :K] = torch.where(pos < num_accepted[:, None], draft_tokens.long(), PAD)
     tokens.scatter_(1, num_accepted[:, None], last_token.long()[:, None])
     return VerifyResult(tokens, num_accepted)
 
