@@ -29,7 +29,7 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable
 
 import httpx
@@ -187,10 +187,11 @@ class EndpointClient:
             return await self._complete(model, pid, slice_, prompt)
 
     async def _complete(self, model, pid, slice_, prompt) -> PromptResult:
+        """One streamed request read chunk by chunk into its PromptResult; what goes wrong is
+        the result's error (a refusal of logprobs raises _LogprobsRefused)."""
         res = PromptResult(pid, slice_)
         path, body = self._body(model, prompt)
-        t0 = time.perf_counter()
-        parts, toks, lps, margins, ids, tops = [], [], [], [], [], []
+        got = _Streamed(time.perf_counter())
         try:
             async with self.http.stream("POST", path, json=body) as r:
                 if r.status_code != 200:
@@ -205,48 +206,68 @@ class EndpointClient:
                     data = line[5:].strip()
                     if data == "[DONE]":
                         break
-                    try:
-                        obj = json.loads(data)
-                    except ValueError:
-                        res.error = f"malformed stream chunk: {data[:200]!r}"
+                    error = self._take_chunk(res, data, got)
+                    if error is not None:
+                        res.error = error
                         return res
-                    if not isinstance(obj, dict):
-                        res.error = f"malformed stream chunk: {data[:200]!r}"
-                        return res
-                    if "error" in obj:
-                        res.error = f"stream error: {obj['error']}"
-                        return res
-                    if obj.get("prompt_token_ids"):  # vLLM, asked for return_token_ids
-                        res.prompt_ids = list(obj["prompt_token_ids"])
-                    if obj.get("usage"):
-                        res.prompt_tokens = obj["usage"].get("prompt_tokens")
-                        res.completion_tokens = obj["usage"].get("completion_tokens")
-                    spec = response_spec(obj)
-                    if spec is not None:
-                        res.server_info = spec
-                    for ch in obj.get("choices") or []:
-                        text = (ch.get("delta") or {}).get("content") if self.cfg.chat else ch.get("text")
-                        if text:
-                            if res.ttft_s is None:
-                                res.ttft_s = time.perf_counter() - t0
-                            parts.append(text)
-                        if ch.get("prompt_token_ids"):  # vLLM completions put them in the choice
-                            res.prompt_ids = list(ch["prompt_token_ids"])
-                        if ch.get("finish_reason"):
-                            res.finish_reason = ch["finish_reason"]
-                        _collect_logprobs(ch.get("logprobs"), self.cfg.chat, toks, lps, margins, ids, tops)
         except (httpx.HTTPError, httpx.StreamError) as e:  # refused, reset, cut mid-stream, timed out
             res.error = f"{type(e).__name__}: {e}"
             return res
         if res.finish_reason is None:
             res.error = "the stream ended without a finish reason (connection cut?)"
             return res
-        res.latency_s = time.perf_counter() - t0
-        res.text = "".join(parts)
-        if lps:
-            res.tokens, res.token_logprobs, res.top2_margins = toks, lps, margins
-            res.token_ids, res.top = ids, tops
+        res.latency_s = time.perf_counter() - got.t0
+        res.text = "".join(got.parts)
+        if got.lps:
+            res.tokens, res.token_logprobs, res.top2_margins = got.toks, got.lps, got.margins
+            res.token_ids, res.top = got.ids, got.tops
         return res
+
+    def _take_chunk(self, res: PromptResult, data: str, got: "_Streamed") -> str | None:
+        """One stream chunk's fields into res and got; -> why it ends the answer in error
+        (None: the stream goes on)."""
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return f"malformed stream chunk: {data[:200]!r}"
+        if not isinstance(obj, dict):
+            return f"malformed stream chunk: {data[:200]!r}"
+        if "error" in obj:
+            return f"stream error: {obj['error']}"
+        if obj.get("prompt_token_ids"):  # vLLM, asked for return_token_ids
+            res.prompt_ids = list(obj["prompt_token_ids"])
+        if obj.get("usage"):
+            res.prompt_tokens = obj["usage"].get("prompt_tokens")
+            res.completion_tokens = obj["usage"].get("completion_tokens")
+        spec = response_spec(obj)
+        if spec is not None:
+            res.server_info = spec
+        for ch in obj.get("choices") or []:
+            text = (ch.get("delta") or {}).get("content") if self.cfg.chat else ch.get("text")
+            if text:
+                if res.ttft_s is None:
+                    res.ttft_s = time.perf_counter() - got.t0
+                got.parts.append(text)
+            if ch.get("prompt_token_ids"):  # vLLM completions put them in the choice
+                res.prompt_ids = list(ch["prompt_token_ids"])
+            if ch.get("finish_reason"):
+                res.finish_reason = ch["finish_reason"]
+            _collect_logprobs(ch.get("logprobs"), self.cfg.chat, got.toks, got.lps, got.margins, got.ids, got.tops)
+        return None
+
+
+@dataclass
+class _Streamed:
+    """What a streamed answer has sent so far: its text in parts and, per token, its text,
+    logprob, top-2 margin, id and listed alternatives (_collect_logprobs)."""
+
+    t0: float  # when the request was sent
+    parts: list[str] = field(default_factory=list)
+    toks: list = field(default_factory=list)
+    lps: list = field(default_factory=list)
+    margins: list = field(default_factory=list)
+    ids: list = field(default_factory=list)
+    tops: list = field(default_factory=list)
 
 
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's token text under return_tokens_as_token_ids
