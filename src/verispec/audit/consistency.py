@@ -146,7 +146,7 @@ def drafter_consistency_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResul
     oracle = oracle_for(probe, ctx.model)
     name = probe.name
     if oracle is None:
-        return CheckResult("drafter-consistency", True,
+        return CheckResult(True,
                            f"not applicable: no reference implementation for drafter {name!r}",
                            {"drafter": name, "applicable": False}, informational=True)
     logits_cache: dict = {}
@@ -187,5 +187,5 @@ def drafter_consistency_check(ctx: AuditContext, runs: GreedyRuns) -> CheckResul
                "positions_compared": compared, "mismatches": n_bad,
                "near_ties": sum(r["near_ties"] for r in per_batch),
                "tie_margin": tie["value"] if tie else TIE_MARGIN, "tie_margin_source": tie}
-    return CheckResult("drafter-consistency", passed, summary, figures,
+    return CheckResult(passed, summary, figures,
                        {"per_batch": per_batch, "mismatches": mismatches})

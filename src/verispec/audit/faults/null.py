@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .catalogue import register
+from ..registry import EQUIVALENCE
 
 
 class BackendView:
@@ -71,8 +72,8 @@ register("backend-rows-reordered",
          "the backend returns a pass's logits in ascending cache-row order instead of the order the "
          "rows were fed in: wrong only once a freed row is reused and the running rows are out of "
          "order, in plain decoding as much as in speculative",
-         "equivalence", lambda c: {"backend": lambda m: BackendView(m, _reordered, "backend-rows-reordered")})
+         EQUIVALENCE, lambda c: {"backend": lambda m: BackendView(m, _reordered, "backend-rows-reordered")})
 register("backend-neighbour-bleed",
          "in a pass over two or more rows, the backend mixes a quarter of the first row's logits into "
          "every other row's: plain batched decoding diverges as well, so the null run shares the fault",
-         "equivalence", lambda c: {"backend": lambda m: BackendView(m, _bleed, "backend-neighbour-bleed")})
+         EQUIVALENCE, lambda c: {"backend": lambda m: BackendView(m, _bleed, "backend-neighbour-bleed")})
