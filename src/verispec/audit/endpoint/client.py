@@ -369,52 +369,86 @@ async def run_paired(cfg: EndpointConfig, ref_cfg: EndpointConfig, prompts: Iter
     which would land in the timing of the request after each scrape. Returns (endpoint
     run, reference run)."""
     prompts = list(prompts)
-    sides = [EndpointClient(cfg), EndpointClient(replace(ref_cfg, concurrency=cfg.concurrency))]
-    scrapers = [EndpointClient(c.cfg) for c in sides]
-    shared = cfg.base == ref_cfg.base  # counters then read around each wave, else around the level
+    clients = [EndpointClient(cfg), EndpointClient(replace(ref_cfg, concurrency=cfg.concurrency))]
+    scrapers = [EndpointClient(c.cfg) for c in clients]
     try:
-        opened = [await _open(c) for c in scrapers]
+        sides = _Sides(clients, scrapers, [await _open(c) for c in scrapers], cfg.base == ref_cfg.base)
         levels: list[list[LevelRun]] = [[], []]
         for conc in cfg.concurrency:
-            results = [[None] * len(prompts), [None] * len(prompts)]
-            walls: list[list[float]] = [[], []]
-            total: list[SpecCounters | None] = [None, None]
-            before = [None if shared else _counters(await c.metrics()) for c in scrapers]
-            samplers = [None if shared else _start_gauges(c, b) for c, b in zip(scrapers, before)]
-            per_request = conc == 1  # the endpoint's counters read around each of its one-request waves
-            waves = [range(i, min(i + conc, len(prompts))) for i in range(0, len(prompts), conc)]
-            for w, wave in enumerate(waves):
-                for s in ((0, 1) if (w % 2 == 0) != reference_first else (1, 0)):
-                    client, scraper, (model, _) = sides[s], scrapers[s], opened[s]
-                    read = shared or (per_request and s == 0)
-                    b = _counters(await scraper.metrics()) if read else None
-                    t0 = time.perf_counter()
-                    got = await asyncio.gather(*(client.complete(model, prompts[i].id, prompts[i].slice,
-                                                                 prompts[i].prompt) for i in wave))
-                    walls[s].append(time.perf_counter() - t0)
-                    for i, r in zip(wave, got):
-                        results[s][i] = r
-                    if not read:
-                        continue
-                    d = await _level_counters(scraper, b, None, got)
-                    if shared:
-                        total[s] = _plus(total[s], d)
-                    if per_request and s == 0:
-                        _attach_counters(got[0], b, d)
-                        # separate servers: no further scrapes where they tell nothing new (no
-                        # counters, answers with their own fields, gauges)
-                        per_request = shared or not (b is None or got[0].server_info is not None
-                                                     or (d is not None and d.from_gauges))
-            for s in (0, 1):
-                spec = total[s] if shared else await _level_counters(scrapers[s], before[s], samplers[s],
-                                                                         results[s])
-                levels[s].append(LevelRun(conc, sum(walls[s]), results[s], spec, [list(w) for w in waves],
-                                          walls[s]))
+            for s, level in enumerate(await _paired_level(sides, prompts, conc, reference_first)):
+                levels[s].append(level)
         return tuple(EndpointRun(c.cfg.base, model, kind, c.logprobs, lv)
-                     for c, (model, kind), lv in zip(sides, opened, levels))
+                     for c, (model, kind), lv in zip(clients, sides.opened, levels))
     finally:
-        for c in sides + scrapers:
+        for c in clients + scrapers:
             await c.aclose()
+
+
+@dataclass(frozen=True)
+class _Sides:
+    """run_paired's two sides (0: the endpoint, 1: its reference): the clients that send the
+    requests, those that read /metrics, and each server's (model id, kind)."""
+
+    clients: list[EndpointClient]
+    scrapers: list[EndpointClient]
+    opened: list[tuple[str, str]]
+    shared: bool  # one server for both: counters read around each wave, else around the level
+
+
+@dataclass
+class _Pairing:
+    """One level of run_paired as its waves run, per side: the answers, each wave's wall
+    time, and the counters summed over the waves (a shared server)."""
+
+    results: list[list[PromptResult | None]]
+    walls: list[list[float]]
+    total: list[SpecCounters | None]
+    per_request: bool  # the endpoint's counters still read around each of its one-request waves
+
+
+async def _paired_level(sides: _Sides, prompts: list, conc: int, reference_first: bool) -> tuple[LevelRun, LevelRun]:
+    """One level of run_paired: the prompts in waves of conc, each wave to both sides, the
+    order alternating wave by wave; -> (the endpoint's level, the reference's)."""
+    n = len(prompts)
+    lv = _Pairing([[None] * n, [None] * n], [[], []], [None, None], conc == 1)
+    before = [None if sides.shared else _counters(await c.metrics()) for c in sides.scrapers]
+    samplers = [None if sides.shared else _start_gauges(c, b) for c, b in zip(sides.scrapers, before)]
+    waves = [range(i, min(i + conc, n)) for i in range(0, n, conc)]
+    for w, wave in enumerate(waves):
+        for s in ((0, 1) if (w % 2 == 0) != reference_first else (1, 0)):
+            await _paired_wave(sides, lv, s, prompts, wave)
+    out = []
+    for s in (0, 1):
+        spec = lv.total[s] if sides.shared else await _level_counters(sides.scrapers[s], before[s], samplers[s],
+                                                                      lv.results[s])
+        out.append(LevelRun(conc, sum(lv.walls[s]), lv.results[s], spec, [list(w) for w in waves], lv.walls[s]))
+    return out[0], out[1]
+
+
+async def _paired_wave(sides: _Sides, lv: _Pairing, s: int, prompts: list, wave: range) -> None:
+    """One wave's requests to side s, started together and timed together; the counters read
+    around them where the server is shared, and the endpoint's around each request at
+    concurrency 1."""
+    client, scraper, (model, _) = sides.clients[s], sides.scrapers[s], sides.opened[s]
+    read = sides.shared or (lv.per_request and s == 0)
+    b = _counters(await scraper.metrics()) if read else None
+    t0 = time.perf_counter()
+    got = await asyncio.gather(*(client.complete(model, prompts[i].id, prompts[i].slice, prompts[i].prompt)
+                                 for i in wave))
+    lv.walls[s].append(time.perf_counter() - t0)
+    for i, r in zip(wave, got):
+        lv.results[s][i] = r
+    if not read:
+        return
+    d = await _level_counters(scraper, b, None, got)
+    if sides.shared:
+        lv.total[s] = _plus(lv.total[s], d)
+    if lv.per_request and s == 0:
+        _attach_counters(got[0], b, d)
+        # separate servers: no further scrapes where they tell nothing new (no counters,
+        # answers with their own fields, gauges)
+        lv.per_request = sides.shared or not (b is None or got[0].server_info is not None
+                                              or (d is not None and d.from_gauges))
 
 
 def _attach_counters(r: PromptResult, before: SpecCounters | None, d: SpecCounters | None) -> None:
