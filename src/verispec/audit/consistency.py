@@ -23,6 +23,7 @@ TIE_MARGIN on an fp32 backend, the measured batching noise on a noisy one (tie_m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..drafters.lookup import lookup_continuation
 from ..sampling import SamplingParams
@@ -57,6 +58,22 @@ def oracle_for(drafter, target_model) -> Oracle | None:
     return None
 
 
+@dataclass(frozen=True)
+class _Replay:
+    """What one request's steps are checked against: its final sequence, the draft model's
+    teacher-forced logits and their argmax (a model oracle), the replica fed its prefixes as
+    they grow (a replayable drafter)."""
+
+    oracle: Oracle
+    full: list[int]  # prompt + output
+    P: int  # prompt length
+    k: int  # the audited draft length: what a step asks for is capped at it
+    logits: Any  # [len(full) - P + 1, V]: row j is the draft's output at position P - 1 + j (model), else None
+    best: list[int] | None  # the argmax of each row of logits
+    replica: Any  # one replica of the drafter per request (replay), else None
+    tie_margin: float
+
+
 def check_request(oracle: Oracle, req, k: int, logits_cache: dict,
                   tie_margin: float = TIE_MARGIN, prefixes=None) -> tuple[int, int, list[dict]]:
     """-> (positions compared, near-ties, mismatches) for one finished greedy request.
@@ -64,70 +81,101 @@ def check_request(oracle: Oracle, req, k: int, logits_cache: dict,
     full, P = req.tokens, len(req.prompt_ids)
     logits = best = None
     if oracle.kind == "model":
-        key = tuple(full)
-        if key not in logits_cache:
-            # [len(full) - P + 1, V]: row j is the draft's output at position P - 1 + j
-            lg = teacher_forced_logits(oracle.model, full, first=P - 1, num_layers=oracle.num_layers,
-                                       prefixes=prefixes)
-            logits_cache[key] = (lg, lg.argmax(-1).tolist())  # sync: one transfer per sequence
-        logits, best = logits_cache[key]
-    compared, ties, bad = 0, 0, []
-    replay = None
+        logits, best = _draft_logits(oracle, full, P, logits_cache, prefixes)
+    replica = None
     if oracle.kind == "replay":  # one replica per request, fed as its prefixes grow
-        replay = oracle.drafter.replica()
-        replay.admit([0], [full[:P]])
+        replica = oracle.drafter.replica()
+        replica.admit([0], [full[:P]])
+    rp = _Replay(oracle, full, P, k, logits, best, replica, tie_margin)
+    compared, ties, bad = 0, 0, []
     trees = req.stats.trace_trees or [None] * len(req.stats.trace)
     proposed = req.stats.trace_asked or [a for _, _, _, a in req.stats.trace]
     for step, ((n0, drafted, acc, asked), tree, ask) in enumerate(zip(req.stats.trace, trees, proposed)):
-        k_eff = min(asked, k)  # what the engine asked the drafter for (policy choice, capped)
-        if oracle.kind == "replay" and replay.tree_width > 1 and k_eff:
-            # a tree drafter: its whole proposal is a function of the prefix, asked for `ask`
-            # nodes and kept to the verified prefix by the policy
-            want = _replayed(replay, full[:n0], min(ask, k))
-            chain = drafted[:k_eff]  # a step whose kept drafts do not branch is a chain
-            got = tree if tree is not None else (chain, list(range(-1, len(chain) - 1)))
-            exp = (want[0][:k_eff], want[1][:k_eff])
-            if (list(got[0]), list(got[1])) != (list(exp[0]), list(exp[1])):
-                bad.append({"step": step, "position": n0, "drafted": list(got[0]), "parents": list(got[1]),
-                            "expected": list(exp[0]), "expected_parents": list(exp[1])})
-            else:
-                compared += len(got[0])
+        c, t, b = _check_step(rp, step, n0, drafted, acc, asked, tree, ask)
+        compared, ties = compared + c, ties + t
+        bad += b
+    return compared, ties, bad
+
+
+def _draft_logits(oracle: Oracle, full: list[int], P: int, logits_cache: dict, prefixes):
+    """The draft model's teacher-forced logits over full and their argmax, once per sequence."""
+    key = tuple(full)
+    if key not in logits_cache:
+        # [len(full) - P + 1, V]: row j is the draft's output at position P - 1 + j
+        lg = teacher_forced_logits(oracle.model, full, first=P - 1, num_layers=oracle.num_layers,
+                                   prefixes=prefixes)
+        logits_cache[key] = (lg, lg.argmax(-1).tolist())  # sync: one transfer per sequence
+    return logits_cache[key]
+
+
+def _check_step(rp: _Replay, step: int, n0: int, drafted: list[int], acc: int, asked: int, tree,
+                ask: int) -> tuple[int, int, list[dict]]:
+    """One step of the trace against what a correct drafter proposes from full[:n0]: ->
+    (positions compared, near-ties, mismatches). A step with another number of drafts than
+    a correct drafter's is one mismatch."""
+    k_eff = min(asked, rp.k)  # what the engine asked the drafter for (policy choice, capped)
+    if rp.oracle.kind == "replay" and rp.replica.tree_width > 1 and k_eff:
+        return _check_tree_step(rp, step, n0, drafted, k_eff, tree, ask)
+    expected = None
+    if rp.oracle.kind in ("lookup", "replay"):
+        expected = _expected_chain(rp, n0, k_eff, ask)
+        if len(drafted) != len(expected):
+            return 0, 0, [{"step": step, "position": n0, "drafted": drafted, "expected": expected,
+                           "why": f"{len(drafted)} drafts where a correct drafter finds {len(expected)}"}]
+    elif len(drafted) != k_eff:
+        return 0, 0, [{"step": step, "position": n0, "drafted": drafted,
+                       "why": f"{len(drafted)} drafts, {k_eff} asked for"}]
+    return _compare_drafts(rp, step, n0, drafted, acc, expected)
+
+
+def _check_tree_step(rp: _Replay, step: int, n0: int, drafted: list[int], k_eff: int, tree,
+                     ask: int) -> tuple[int, int, list[dict]]:
+    """A tree drafter's step: its whole proposal is a function of the prefix, asked for `ask`
+    nodes and kept to the verified prefix by the policy; the tree must be the replica's."""
+    want = _replayed(rp.replica, rp.full[:n0], min(ask, rp.k))
+    chain = drafted[:k_eff]  # a step whose kept drafts do not branch is a chain
+    got = tree if tree is not None else (chain, list(range(-1, len(chain) - 1)))
+    exp = (want[0][:k_eff], want[1][:k_eff])
+    if (list(got[0]), list(got[1])) != (list(exp[0]), list(exp[1])):
+        return 0, 0, [{"step": step, "position": n0, "drafted": list(got[0]), "parents": list(got[1]),
+                       "expected": list(exp[0]), "expected_parents": list(exp[1])}]
+    return len(got[0]), 0, []
+
+
+def _expected_chain(rp: _Replay, n0: int, k_eff: int, ask: int) -> list[int]:
+    """What a correct lookup or replayed drafter drafts from full[:n0] when asked for k_eff."""
+    if not k_eff:
+        return []
+    if rp.replica is not None:
+        # proposed with what the drafter was asked for, kept to what was verified
+        return _replayed(rp.replica, rp.full[:n0], min(ask, rp.k))[0][:k_eff]
+    return lookup_continuation(rp.full[:n0], k_eff, rp.oracle.max_ngram)
+
+
+def _compare_drafts(rp: _Replay, step: int, n0: int, drafted: list[int], acc: int,
+                    expected: list[int] | None) -> tuple[int, int, list[dict]]:
+    """The step's accepted drafts and its first rejected one, each against the expected chain
+    (lookup, replay) or the draft model's argmax, where a gap below the tie margin is a
+    near-tie (numerics)."""
+    compared, ties, bad = 0, 0, []
+    for i in range(min(acc + 1, len(drafted))):
+        pos = n0 - 1 + i  # the draft at i predicts the token at pos + 1
+        if pos >= len(rp.full) or rp.full[n0:n0 + i] != drafted[:i]:
+            break  # the request stopped inside the accepted drafts: no committed context
+        compared += 1
+        if rp.oracle.kind in ("lookup", "replay"):
+            if drafted[i] != expected[i]:
+                bad.append({"step": step, "position": pos + 1, "drafted": drafted[i], "expected": expected[i]})
             continue
-        if oracle.kind in ("lookup", "replay"):
-            if not k_eff:
-                expected = []
-            elif replay is not None:
-                # proposed with what the drafter was asked for, kept to what was verified
-                expected = _replayed(replay, full[:n0], min(ask, k))[0][:k_eff]
-            else:
-                expected = lookup_continuation(full[:n0], k_eff, oracle.max_ngram)
-            if len(drafted) != len(expected):
-                bad.append({"step": step, "position": n0, "drafted": drafted, "expected": expected,
-                            "why": f"{len(drafted)} drafts where a correct drafter finds {len(expected)}"})
-                continue
-        elif len(drafted) != k_eff:
-            bad.append({"step": step, "position": n0, "drafted": drafted,
-                        "why": f"{len(drafted)} drafts, {k_eff} asked for"})
+        j = pos - (rp.P - 1)
+        if drafted[i] == rp.best[j]:
             continue
-        for i in range(min(acc + 1, len(drafted))):
-            pos = n0 - 1 + i  # the draft at i predicts the token at pos + 1
-            if pos >= len(full) or full[n0:n0 + i] != drafted[:i]:
-                break  # the request stopped inside the accepted drafts: no committed context
-            compared += 1
-            if oracle.kind in ("lookup", "replay"):
-                if drafted[i] != expected[i]:
-                    bad.append({"step": step, "position": pos + 1, "drafted": drafted[i],
-                                "expected": expected[i]})
-                continue
-            j = pos - (P - 1)
-            if drafted[i] == best[j]:
-                continue
-            gap = float(logits[j, best[j]] - logits[j, drafted[i]])  # >= 0; tiny: numerics (sync: rare)
-            if gap < tie_margin:
-                ties += 1
-            else:
-                bad.append({"step": step, "position": pos + 1, "drafted": drafted[i], "expected": best[j],
-                            "logit_gap": gap})
+        gap = float(rp.logits[j, rp.best[j]] - rp.logits[j, drafted[i]])  # >= 0; tiny: numerics (sync: rare)
+        if gap < rp.tie_margin:
+            ties += 1
+        else:
+            bad.append({"step": step, "position": pos + 1, "drafted": drafted[i], "expected": rp.best[j],
+                        "logit_gap": gap})
     return compared, ties, bad
 
 
