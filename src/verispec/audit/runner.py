@@ -86,7 +86,10 @@ def run_audit(config: AuditConfig, *, target=None, drafter_factory: DrafterFacto
     if config.inject_fault:
         from .faults import build as build_fault
         fault = build_fault(config.inject_fault)  # ValueError naming the faults
-        build_audited = fault.engine
+
+        def build_audited(*args, **kwargs):  # a fresh fault per engine: its hooks keep per-engine state
+            return build_fault(config.inject_fault).engine(*args, **kwargs)
+
         if fault.backend is not None:  # a fault in the backend: every engine of the audit runs on it
             model = fault.backend(model)
     if drafter_factory is None:
