@@ -89,7 +89,7 @@ class Drafter(ABC):
         """A fresh drafter with this one's settings and nothing learnt from other requests
         (replayable drafters only): admitted a request's prompt on a row, its propose() from
         each later prefix of the request drafts what a correct drafter of this kind drafts."""
-        raise NotImplementedError(f"drafter {self.name!r} is not replayable")
+        raise ValueError(f"drafter {self.name!r} is not replayable: its drafts depend on more than the request")
 
     def map_models(self, fn) -> None:
         """Replace each model this drafter drafts with by fn(model) (a view of it: the audit's
