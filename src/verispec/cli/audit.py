@@ -86,6 +86,7 @@ def add_audit_parser(sub) -> None:
 
 
 def _add_common(a, checks: tuple[str, ...]) -> None:
+    from ..audit.endpoint.runner import _int_at_least
     a.add_argument("--suite", default="default", help='"default", "repetitive" (code edits, RAG, multi-turn, '
                    'agentic, JSON: answers that repeat text) or a JSONL file (Spec-Bench format accepted)')
     a.add_argument("--out", default="verispec-audit", help="report directory (default ./verispec-audit)")
@@ -106,7 +107,7 @@ def _add_common(a, checks: tuple[str, ...]) -> None:
                    help="make the speedup floor a gate: fail when a prompt the search finds runs below X "
                         "times plain speed with its whole confidence interval below X (default: the floor is "
                         "reported, not gated)")
-    a.add_argument("--speed-repeats", type=_int_at_least_1, default=None, metavar="N",
+    a.add_argument("--speed-repeats", type=_int_at_least(1), default=None, metavar="N",
                    help="time each prompt N times plain and speculative side by side, for the slices' speedup "
                         "intervals: from an endpoint against its reference at concurrency 1 (default 3; with "
                         "--quick 2), offline at batch 1 (default 4; with --quick 3)")
@@ -146,16 +147,6 @@ def _add_engine(a) -> None:
     add_backend_argument(a)
     from ..audit.faults import argument as fault_argument
     a.add_argument("--inject-fault", type=fault_argument, default=None, help=argparse.SUPPRESS)
-
-
-def _int_at_least_1(s: str) -> int:
-    try:
-        n = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
 
 
 def check_mode(args, argv: list[str] | None = None) -> None:
