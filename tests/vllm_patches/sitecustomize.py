@@ -16,6 +16,9 @@ modified. Each patch has its own switch:
   divided by c, so a draft token d is accepted with probability min(1, c p(d)/q(d)) instead
   of min(1, p(d)/q(d)): the "relaxed threshold" bug class the audit must catch by the
   statistics alone.
+* VERISPEC_VLLM_BUGS=name,name: re-created historical bugs of vLLM and its peers (the audit's
+  bug catalogue, verispec.audit.known_bugs), each a patch in bugs_sampler.py or
+  bugs_engine.py of this folder: ``BUGS = {name: (module, patch)}``.
 """
 
 import importlib.abc
@@ -47,11 +50,27 @@ def _relax(module) -> None:
     module.generate_uniform_probs = relaxed
 
 
-PATCHES = {}
+PATCHES: dict[str, list] = {}  # module -> its patches, applied in order once it is imported
+
+
+def _add(module: str, patch) -> None:
+    PATCHES.setdefault(module, []).append(patch)
+
+
 if os.environ.get("VERISPEC_VLLM_FIX_EXPAND") == "1":
-    PATCHES["vllm.utils.cpu_triton_utils"] = _fix_expand
+    _add("vllm.utils.cpu_triton_utils", _fix_expand)
 if float(os.environ.get("VERISPEC_RELAXED_ACCEPTANCE", "0") or 0) > 1:
-    PATCHES["vllm.v1.sample.rejection_sampler"] = _relax
+    _add("vllm.v1.sample.rejection_sampler", _relax)
+_WANTED = [b for b in os.environ.get("VERISPEC_VLLM_BUGS", "").split(",") if b]
+if _WANTED:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bugs_engine
+    import bugs_sampler
+    _KNOWN = {**bugs_sampler.BUGS, **bugs_engine.BUGS}
+    for _name in _WANTED:
+        if _name not in _KNOWN:  # a typo must not run the bug-free server under a bug's name
+            raise SystemExit(f"VERISPEC_VLLM_BUGS: unknown bug {_name!r} (known: {', '.join(sorted(_KNOWN))})")
+        _add(*_KNOWN[_name])
 
 
 class _Loader(importlib.abc.Loader):
@@ -63,7 +82,8 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self.inner.exec_module(module)
-        self.patch(module)
+        for patch in self.patch:
+            patch(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -43,11 +43,9 @@ known in advance; the tests stay valid, as p is recomputed for exactly the emitt
 from __future__ import annotations
 
 import math
-import random
 import time
 from dataclasses import dataclass
 
-import httpx
 import torch
 
 from ..engine import EngineConfig, Request
@@ -59,7 +57,7 @@ from .endpoint.state import EndpointAudit, EndpointError
 from .endpoint.client import EndpointRun
 from .endpoint.counters import SpecCounters
 from .endpoint.kinds import ServerInfo
-from .endpoint.sampled import DRAFTING_PROMPTS, distribution_figures, drafting_mix, sampled_run, sampler_settings
+from .endpoint.sampled import DRAFTING_PROMPTS, distribution_figures, sampler_settings
 from .consistency import oracle_for
 from .context import AuditContext
 from .equivalence import prefix_cache, teacher_forced_logits, tie_margin_for, tree_steps
@@ -665,17 +663,7 @@ def endpoint_distribution_check(a: EndpointAudit) -> CheckResult | None:
     why_not = rescore.supported(a.info.kind, a.ref_info.kind if a.ref_info else None)
     if a.score_with == "reference" and why_not:
         raise EndpointError(f"--score-with reference: {why_not}")
-    sprompts = drafting_mix(a.prompts)
-    if a.seed:
-        random.Random(a.seed).shuffle(sprompts)
-    try:
-        if a.score_with != "endpoint" and not why_not:
-            a.srun = rescore.rescored_sampled_run(a.cfg, a.ref_cfg, sprompts, a.sampled_tokens, max(a.concurrency),
-                                                  scorer=a.score_with, kind=a.info.kind)
-        else:
-            a.srun = sampled_run(a.cfg, a.info.kind, sprompts, a.sampled_tokens, max(a.concurrency))
-    except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
-        raise EndpointError(f"the sampled run at {a.cfg.base}: {type(e).__name__}: {e}") from None
+    a.sampled()
     result = _endpoint_distribution(a.srun, a.sampled_tokens, a.info, a.min_verified_drafts,
                                     None if a.score_with == "endpoint" or not why_not else why_not, a.seed)
     a.sampling_sent = {"sent": result.figures["sampler_sent"], "top_logprobs": result.figures["top_logprobs"]}

@@ -119,6 +119,31 @@ class EndpointAudit:
                 self.nulls.setdefault(lv.concurrency, Comparison(lv.concurrency)).rows += compare(
                     self.base_results, lv.results, lv.concurrency).rows
 
+    def sampled(self) -> EndpointRun:
+        """The temperature-1 phase (sampled.py), made once for every check that reads it: the
+        suite's prompts and the drafting prompts in turn (shuffled by the seed), at least
+        sampled_tokens tokens at the highest load level, scored as score_with says."""
+        if self.srun is not None:
+            return self.srun
+        import random
+
+        from . import rescore
+        from .sampled import drafting_mix, sampled_run
+        why_not = rescore.supported(self.info.kind, self.ref_info.kind if self.ref_info else None)
+        sprompts = drafting_mix(self.prompts)
+        if self.seed:
+            random.Random(self.seed).shuffle(sprompts)
+        try:
+            if self.score_with != "endpoint" and not why_not:
+                self.srun = rescore.rescored_sampled_run(self.cfg, self.ref_cfg, sprompts, self.sampled_tokens,
+                                                         max(self.concurrency), scorer=self.score_with,
+                                                         kind=self.info.kind)
+            else:
+                self.srun = sampled_run(self.cfg, self.info.kind, sprompts, self.sampled_tokens, max(self.concurrency))
+        except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
+            raise EndpointError(f"the sampled run at {self.cfg.base}: {type(e).__name__}: {e}") from None
+        return self.srun
+
     def report(self, elapsed_s: float) -> dict:
         """The report so far, in the offline audit's format (the re-test gate compares it with
         the earlier one before the gate's own result joins it)."""
