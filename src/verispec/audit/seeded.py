@@ -219,3 +219,140 @@ def _summary(cfg, n: int, per_config: list[dict], failures: list[str], found: li
     return (f"{head} for {n} prompts at " + ", ".join(where) + f" (settings {temps}, {drafted} drafts verified)"
             + ("" if null is None else
                f"; near-ties as often as the null run's (plain b={null['batch']}: {null['differ']}/{n} differ)"))
+
+
+
+# -- from outside: any OpenAI-compatible server that promises per-request seeds ------------------
+#
+# Seeded requests under speculation have broken: vllm-project/vllm#17498 and #6038 ignored
+# per-request seeds, vllm-project/vllm#10863 misindexed the generators when seeded and
+# unseeded requests shared a batch ("I!!!!!!!! will"). From outside, temperature-1 requests
+# with a seed, on prompts that copy text (so drafts are verified), go alone twice and once
+# mixed with unseeded requests at the highest load level, and must answer the same every
+# time. A difference at the target's near-tie (top-2 logprob margin at the first differing
+# token within the margins at which the reference, asked the same, differs from itself) is
+# numerics, not a seed.
+
+# the promise each server kind states for a request's `seed`; kinds not listed promise none
+SEED_PROMISE = {
+    "vllm": "per-request seed: the request's own generator, whatever shares its batch",
+    "verispec": "per-request seed: noise keyed on (seed, position), the same tokens at any batch, drafts or not",
+    "llama.cpp": "per-request seed: the slot's sampler is seeded with it; its numerics move with the slots in use "
+                 "(ggml-org/llama.cpp#6950), so a batch is judged only against a reference's null",
+}
+SEEDS_PER_PROMPT = 2
+SEEDED_PROMPTS = {True: (2, 0), False: (4, 2)}  # quick, full: (copying prompts, audited prompts)
+
+
+def _seed_promise(a) -> str | None:
+    """What the server promises a seeded sampled request (None: nothing, the check does not apply)."""
+    rule = (a.info.speculative or {}).get("rule")
+    if a.info.kind == "verispec" and (rule in LOSSY_RULES or rule == "greedy"):
+        return None  # a lossy rule samples its own way; a greedy server refuses sampled requests
+    return SEED_PROMISE.get(a.info.kind)
+
+
+def _sampled_cfg(cfg, kind: str, seed: int | None):
+    """Temperature 1, every other sampler setting off, logprobs with token ids; `seed` in the body."""
+    from dataclasses import replace
+
+    from .endpoint.sampled import TOKEN_IDS_REQUEST, sampler_settings
+    extra = {**(cfg.extra_body or {}), **TOKEN_IDS_REQUEST.get(kind, {}), **({} if seed is None else {"seed": seed})}
+    return replace(cfg, temperature=1.0, sampler=sampler_settings(kind), logprobs=True, top_logprobs=2,
+                   concurrency=(1,), extra_body=extra or None)
+
+
+def _seeded_requests(a) -> list[tuple]:
+    """(prompt, seed) pairs: each copying prompt with SEEDS_PER_PROMPT seeds of the audit's seed."""
+    from dataclasses import replace
+
+    from .stopping import copy_prompts, quick_audit
+    prompts = copy_prompts(a, *SEEDED_PROMPTS[quick_audit(a)], "seeds")
+    seeds = [(a.seed * 7_919 + 104_729 * i) % 2 ** 31 + 1 for i in range(SEEDS_PER_PROMPT * len(prompts))]
+    pairs = [(p, seeds[SEEDS_PER_PROMPT * i + j]) for i, p in enumerate(prompts) for j in range(SEEDS_PER_PROMPT)]
+    return [(replace(p, id=f"{p.id}@seed={s}"), s) for p, s in pairs]
+
+
+def _side_runs(cfg, kind: str, reqs: list[tuple], top: int) -> tuple[list, list, list | None, list]:
+    """One server's seeded answers: alone (concurrency 1) twice, then mixed at `top` with an
+    unseeded request of the same prompt beside each seeded one, before it or after it in
+    turn (so the seeded rows sit at different batch positions); -> (first, second, the seeded
+    answers from the batch or None at top 1, every answer)."""
+    from dataclasses import replace
+
+    from .stopping import send_each
+    alone = [send_each([(_sampled_cfg(cfg, kind, s), p) for p, s in reqs], 1) for _ in range(2)]
+    if top < 2:
+        return alone[0], alone[1], None, alone[0] + alone[1]
+    mixed, at = [], []
+    for k, (p, s) in enumerate(reqs):
+        pair = [(_sampled_cfg(cfg, kind, s), p), (_sampled_cfg(cfg, kind, None), replace(p, id=f"{p.id}/unseeded"))]
+        at.append(len(mixed) + k % 2)
+        mixed += pair if k % 2 == 0 else pair[::-1]
+    got = send_each(mixed, top)
+    return alone[0], alone[1], [got[i] for i in at], alone[0] + alone[1] + got
+
+
+def _level_row(test, null, null_max: float | None, label: str, judged: bool, drafted) -> dict:
+    """One comparison's row (registry's seeded table): a difference within the null's margins
+    is a near-tie; clear differences beyond the null's own count plus near_tie_allowance fail."""
+    from .endpoint.null import Comparison
+    rows = test.divergences
+    for r in rows:
+        r["verdict"] = ("near-tie" if r["margin"] is not None and null_max is not None and r["margin"] <= null_max
+                        else "divergence")
+    near = sum(r["verdict"] == "near-tie" for r in rows)
+    n, d0 = len(test.compared), len((null or Comparison(0)).divergences)
+    ok = not test.errors and (not judged or len(rows) - near <= d0 + near_tie_allowance(max(n, 1)))
+    return {"batch": test.concurrency, "policy": label, "prompts": len(test.rows), "identical": n - len(rows),
+            "near-tie": near, "divergence": len(rows) - near, "errors": test.errors, "drafted": drafted,
+            "null_differ": None if null is None else d0, "judged": judged, "passed": ok,
+            "differ": [{k: r[k] for k in ("id", "first_divergence", "margin", "verdict")} for r in rows[:10]]}
+
+
+def endpoint_seeded_check(a) -> CheckResult | None:
+    """Seeded temperature-1 requests alone twice and in a batch mixed with unseeded ones: the
+    same answer every time, but for near-ties the reference shows too (None: the server kind
+    promises nothing for a seed)."""
+    from .endpoint.null import compare as compare_answers
+    from .stopping import drafted_in
+    promise = _seed_promise(a)
+    if promise is None:
+        return None
+    reqs, top, kind = _seeded_requests(a), max(a.concurrency), a.info.kind
+    first, second, batch, every = _side_runs(a.cfg, kind, reqs, top)
+    tests = [compare_answers(first, second, 1)] + ([compare_answers(first, batch, top)] if batch else [])
+    nulls = [None] * len(tests)
+    if a.ref_cfg is not None:  # the reference asked the same: what numerics alone change
+        r1, r2, rb, _ = _side_runs(a.ref_cfg, a.ref_info.kind if a.ref_info else kind, reqs, top)
+        nulls = [compare_answers(r1, r2, 1)] + ([compare_answers(r1, rb, top)] if rb else [])
+    margins = [m for c in nulls if c is not None for m in c.margins]
+    null_max = max(margins) if margins else None
+    labels = ["alone, asked twice", "mixed with unseeded requests"]
+    # a batch whose numerics move with its slots (llama.cpp) is judged only against a null
+    judged = [True, a.ref_cfg is not None or kind != "llama.cpp"]
+    drafted = drafted_in(every)
+    per = [_level_row(t, nl, null_max, lab, j, drafted if i == 0 else None)
+           for i, (t, nl, lab, j) in enumerate(zip(tests, nulls, labels, judged))]
+    return _endpoint_result(a, promise, reqs, per, drafted, null_max)
+
+
+def _endpoint_result(a, promise: str, reqs: list[tuple], per: list[dict], drafted, null_max) -> CheckResult:
+    """The verdict and the line a person reads first."""
+    failed = [r for r in per if not r["passed"]]
+    n = len(reqs)
+    where = "; ".join(f"{r['policy']} (c={r['batch']}): {r['prompts'] - r['identical']} of {r['prompts']} differ"
+                      + (f", {r['near-tie']} at near-ties" if r["near-tie"] else "")
+                      + (f", {r['errors']} failed" if r["errors"] else "")
+                      + ("" if r["judged"] else ", not judged: no null") for r in per)
+    if failed:
+        summary = "a seeded request's answer changes with its neighbours or its repeat: " + where
+    else:
+        summary = f"{n} seeded requests answer the same each time: {where}"
+    summary += "" if a.ref_cfg is not None else "; no reference: near-ties not separable, an allowance instead"
+    figures = {"applicable": True, "promise": promise, "temperature": 1.0, "prompts": n,
+               "seeds": sorted({s for _, s in reqs}), "divergences": sum(r["divergence"] for r in per),
+               "near_ties": sum(r["near-tie"] for r in per), "errors": sum(r["errors"] for r in per),
+               "drafts_verified": drafted, "null_max_margin": null_max,
+               "reference": a.reference_kind, "concurrency": max(a.concurrency)}
+    return CheckResult(not failed, summary, figures, {"per_config": per})
