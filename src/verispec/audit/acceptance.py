@@ -88,6 +88,27 @@ def power(ps: list[float], c: float, alpha: float = ALPHA) -> float:
     return float(norm.sf((zc * sd0 - shift) / sd1) + norm.cdf((-zc * sd0 - shift) / sd1))
 
 
+def replayed_rates(ps: list[float], cs=(1.0,) + GRID, reps: int = 2000, seed: int = 0,
+                   alpha: float = ALPHA) -> dict[str, float]:
+    """The share of `reps` replays whose test rejects, the outcomes at the audit's own
+    positions drawn as a server accepting with min(1, c p) would (c = 1: the exact server:
+    the false-alarm rate), for each c: the normal approximation of `power` checked by
+    simulation."""
+    import numpy as np
+    from scipy.stats import norm
+    p = np.asarray(ps, dtype=float)
+    if not len(p):
+        return {}
+    w = 1.0 / np.maximum(1.0 - p, W_FLOOR)
+    sd0 = float(np.sqrt((w * w * p * (1 - p)).sum()))
+    zc, rng, out = norm.isf(alpha / 2), np.random.default_rng(seed), {}
+    for c in cs:
+        acc = rng.random((reps, len(p))) < np.minimum(1.0, c * p)
+        z = ((acc - p) * w).sum(axis=1) / sd0 if sd0 else np.zeros(reps)
+        out[f"{c:g}"] = float((np.abs(z) > zc).mean())
+    return out
+
+
 def smallest_detectable(ps: list[float], alpha: float = ALPHA) -> float | None:
     return next((c for c in GRID if power(ps, c, alpha) >= POWER), None)
 
@@ -178,7 +199,7 @@ def figures_of(pos: Positions, alpha: float = ALPHA) -> dict:
             "null_sd": sd, "p_value": float(2 * norm.sf(abs(z))) if sd else None, "alpha": alpha,
             "weight": f"1 / max(1 - p, {W_FLOOR})",
             "power_vs_relaxed": {f"{c:g}": power(pos.p, c, alpha) for c in GRID},
-            "smallest_c_95": smallest_detectable(pos.p, alpha)}
+            "smallest_c_95": smallest_detectable(pos.p, alpha), "replayed_rates": replayed_rates(pos.p, alpha=alpha)}
 
 
 def endpoint_acceptance_check(a: EndpointAudit) -> CheckResult | None:

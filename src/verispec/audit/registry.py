@@ -3,15 +3,18 @@ runner.EngineAudit) and from outside (endpoint mode, endpoint.state.EndpointAudi
 the report shows its result. checks.py says what a check is; report.py renders whatever
 is registered here.
 
-lossy-rule, equivalence, distribution, seeded, stopping, drafter-consistency, corruption,
-slices, load, record: seeded, stopping and drafter-consistency need the engine's own
-seeds, stops and drafter, so they run offline only.
+lossy-rule, equivalence, distribution, acceptance-calibration, counter-fidelity,
+sampling-params, logprob-fidelity, seeded, stopping, drafter-consistency, corruption, slices,
+load, record: acceptance-calibration, counter-fidelity, sampling-params and logprob-fidelity
+read what only a server shows from outside (its counters, its logprobs, its sampling
+parameters), so they run from outside only; drafter-consistency needs the engine's own
+drafter, so it runs offline only.
 """
 
 from __future__ import annotations
 
-from . import (churn, consistency, corruption, distribution, equivalence, floor, load, lossy_rule, plots, record, seeded,
-               speed, stopping)
+from . import (acceptance, churn, consistency, corruption, counter_fidelity, distribution, equivalence, floor, load,
+               logprob_fidelity, lossy_rule, plots, record, sampling_params, seeded, speed, stopping)
 from .checks import ENDPOINT, ENGINE, Check, CheckResult, Section, register
 from .endpoint import compare
 from .fmt import f as _f, pct as _pct, temps as _temps
@@ -216,6 +219,96 @@ def _slices_sections(c: CheckResult) -> list[Section]:
                _verdict_txt(r["verdict"])] for r in rows])]
 
 
+# -- acceptance calibration and counter fidelity (from outside) ------------------------------
+def _acceptance_headline(c: CheckResult) -> list[tuple[str, str]]:
+    f = c.figures
+    if not f.get("applicable"):
+        return []
+    c95 = f.get("smallest_c_95")
+    return [("Acceptance vs p (replayed drafts)",
+             f"{f['accepted']} of {f['positions']} accepted, {_f(f['expected_accepted'], '.1f')} expected, "
+             f"z = {_f(f['z'], '.2f')}; catches c >= {c95:g} with 95% power" if c95 else
+             f"{f['accepted']} of {f['positions']} accepted, {_f(f['expected_accepted'], '.1f')} expected, "
+             f"z = {_f(f['z'], '.2f')}; under 95% power at every c tried")]
+
+
+def _acceptance_sections(c: CheckResult) -> list[Section]:
+    f = c.figures
+    if not f.get("applicable"):
+        return []
+    grid = f["power_vs_relaxed"]
+    return [(f"Acceptance calibration: {f['drafter']} replayed; weight {f['weight']}; power of the test "
+             f"against a relaxed rule min(1, c p/q) at the positions it saw (alpha {f['alpha']:g})",
+             ["positions", "not listed", "accepted", "expected", "z", "p-value", "rounds added", "tokens added"]
+             + [f"c={k}" for k in grid],
+             [[f["positions"], f["unlisted_positions"], f["accepted"], _f(f["expected_accepted"], ".1f"),
+               _f(f["z"], ".2f"), _f(f["p_value"], ".3g"), f["rounds_added"], f["tokens_added"]]
+              + [_pct(v) for v in grid.values()]])]
+
+
+def _counters_sections(c: CheckResult) -> list[Section]:
+    rows = (c.details or {}).get("rounds") or []
+    if not rows:
+        return []
+    return [("Counter fidelity: the server's counters per round against its answers (replay: drafts, draft "
+             "tokens, accepted shown + at most cut)",
+             ["round", "answers", "drafts", "draft tokens", "accepted", "replay", "findings"],
+             [[r["round"], r["answers"], _f(r["counters"].get("drafts"), ".0f"),
+               _f(r["counters"].get("draft_tokens"), ".0f"), _f(r["counters"].get("accepted_tokens"), ".0f"),
+               (f"{r['replay']['drafts']} / {r['replay']['draft_tokens']} / {r['replay']['accepted_shown']} "
+                f"+ <= {r['replay']['accepted_cut_at_most']}") if r["replay"] else "-",
+               "; ".join(r["failures"]) or "-"] for r in rows])]
+
+
+# -- sampling parameters under speculation ----------------------------------------------------
+def _sampling_params_sections(c: CheckResult) -> list[Section]:
+    """One row per setting: what was scored, the tests, the verdict."""
+    def p(t):
+        return f"{t['p_value']:.3g}" if t else "-"
+    rows = [[s["label"], s.get("emitted_tokens", "-"), s.get("scored", "-"), s.get("drafted_positions", "-"),
+             s.get("out_of_support", "-"), p(s.get("pit")), p(s.get("pit-drafted")),
+             {True: "pass", False: "FAIL", None: "not tested"}[s.get("passed")], s.get("reason") or ""]
+            for s in c.figures.get("settings", [])]
+    if not rows:
+        return []
+    return [("Sampling settings: each emitted token against the distribution its setting defines from the raw "
+             "logprobs", ["setting", "tokens", "scored", "drafted", "outside support", "KS p", "KS p (drafted)",
+                          "verdict", "why"], rows)]
+
+
+# -- logprob fidelity --------------------------------------------------------------------------
+def _logprobs_headline(c: CheckResult) -> list[tuple[str, str]]:
+    f = c.figures
+    if not f.get("applicable") or "tokens" not in f:
+        return []
+    t = f["tokens"]
+    return [("Logprob fidelity", f"{t['all']['over']} of {t['all']['compared']} emitted tokens beyond "
+                                 f"{_f(f['tolerance'], '.3g')} of the reference ({_pct(t['all']['share'])}; drafted "
+                                 f"positions {_pct(t['drafted']['share'])}); {f['tokens_without_logprobs']} of "
+                                 f"{f['emitted_tokens']} tokens without logprobs")]
+
+
+def _logprobs_sections(c: CheckResult) -> list[Section]:
+    f = c.figures
+    if not f.get("applicable") or "tokens" not in f:
+        return []
+    rows = [[what, part, s[part]["compared"], s[part]["over"], _pct(s[part]["share"])]
+            for what, s in (("emitted tokens", f["tokens"]), ("listed alternatives", f["alternatives"]))
+            for part in ("all", "drafted", "not_drafted")]
+    nq = f["null_quantiles"]
+    out = [(f"Logprob fidelity vs {f['reference']} (tolerance {_f(f['tolerance'], '.3g')}: {f['tolerance_rule']}; "
+            f"null: {f['null']}, p50 {_f(nq['p50'], '.3g')}, p99 {_f(nq['p99'], '.3g')}, max {_f(nq['max'], '.3g')})",
+            ["logprobs", "positions", "compared", "over tolerance", "share"], rows)]
+    worst = (c.details or {}).get("largest_differences") or []
+    if worst:
+        out.append(("Logprob fidelity: largest differences", ["answer", "position", "token", "endpoint", "reference",
+                                                              "drafted", "alternative"],
+                    [[w["answer"], w["position"], repr(w["token"]) if w["token"] else w["token_id"],
+                      _f(w["endpoint_logprob"], ".4g"), _f(w["reference_logprob"], ".4g"), w["drafted"],
+                      w["alternative"]] for w in worst]))
+    return out
+
+
 # -- load ------------------------------------------------------------------------------------
 def _load_sections(c: CheckResult) -> list[Section]:
     rows = []
@@ -242,9 +335,19 @@ DISTRIBUTION = register(Check("distribution", engine=lambda a: distribution.dist
                               endpoint=distribution.endpoint_distribution_check, samples=True, headline=_distribution_headline,
                               sections=_distribution_sections, drafts_verified=lambda c: c.figures.get("verified_drafts"),
                               plot=("pit", "Randomised PIT histogram (uniform under an exact sampler)", plots.pit)))
-SEEDED = register(Check("seeded", engine=_seeded_engine, headline=_seeded_headline,
+ACCEPTANCE = register(Check("acceptance-calibration", endpoint=acceptance.endpoint_acceptance_check, samples=True,
+                            headline=_acceptance_headline, sections=_acceptance_sections,
+                            drafts_verified=lambda c: c.figures.get("positions")))
+COUNTERS = register(Check("counter-fidelity", endpoint=counter_fidelity.endpoint_counters_check, samples=True,
+                          sections=_counters_sections))
+SAMPLING_PARAMS = register(Check("sampling-params", endpoint=sampling_params.endpoint_sampling_params_check,
+                                 samples=True, sections=_sampling_params_sections))
+LOGPROBS = register(Check("logprob-fidelity", endpoint=logprob_fidelity.endpoint_logprobs_check, samples=True,
+                          headline=_logprobs_headline, sections=_logprobs_sections))
+SEEDED = register(Check("seeded", engine=_seeded_engine, endpoint=seeded.endpoint_seeded_check, headline=_seeded_headline,
                         sections=_seeded_sections, drafts_verified=lambda c: c.figures.get("drafts_verified")))
-STOPPING = register(Check("stopping", engine=lambda a: stopping.stopping_check(a.ctx, a.runs()), greedy=(ENGINE,),
+STOPPING = register(Check("stopping", engine=lambda a: stopping.stopping_check(a.ctx, a.runs()),
+                          endpoint=stopping.endpoint_stopping_check, greedy=(ENGINE,),
                           drafts_verified=_stopping_drafts))
 DRAFTER_CONSISTENCY = register(Check("drafter-consistency", engine=lambda a: consistency.drafter_consistency_check(a.ctx, a.runs()),
                                      greedy=(ENGINE,), sections=_consistency_sections,

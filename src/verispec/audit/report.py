@@ -103,12 +103,50 @@ def _sections(report: dict) -> list[tuple[str, list[str], list[list]]]:
             out += c.sections(r)
     for c in report["checks"]:  # tables a check brings along (the endpoint audit's null baseline, ...)
         out += [tuple(t) for t in ((c.get("details") or {}).get("tables") or [])]
+    out += coverage_sections(report)
     rec = report["record"]
     out.append(("Re-test triggers (a change of any re-opens the verdict)", ["trigger", "audited value"],
                 [[t["trigger"], t["audited"]] for t in rec["retest_triggers"]]))
     files = (rec["target"].get("files") or {})
     if files:
         out.append(("Target model files", ["file", "sha256"], [[f, h] for f, h in files.items()]))
+    return out
+
+
+def _coverage(report: dict, check: Check) -> str:
+    """What this audit did with a check the bug catalogue names: tested (its status), not
+    applicable to this server (and why), or not run."""
+    d = next((c for c in report["checks"] if c["name"] == check.name), None)
+    if d is None:
+        return "not run"
+    if (d.get("figures") or {}).get("applicable") is False:
+        return "not covered: " + (d.get("summary") or "not applicable")
+    return {"fail": "FAIL", "error": "ERROR", "info": "informational"}.get(status_of(d), "tested: pass")
+
+
+def coverage_sections(report: dict) -> list[tuple[str, list[str], list[list]]]:
+    """Which classes of the servers' known bugs (audit/known_bugs.py) this audit covered and
+    which it could not, so a PASS claims no more than was tested; and for each failed check,
+    what its evidence looks like and the known bugs with that signature."""
+    from . import known_bugs
+    checks = []
+    for b in known_bugs.CATALOGUE:
+        if b.check not in checks:
+            checks.append(b.check)
+    rows, failed = [], []
+    for check in checks:
+        bugs = known_bugs.by_check(check)
+        state = _coverage(report, check)
+        rows.append([check.name, state, ", ".join(sorted({b.bug_class for b in bugs})), len(bugs)])
+        if state in ("FAIL", "ERROR"):
+            for sig in dict.fromkeys(b.signature for b in bugs):
+                failed.append([check.name, sig, ", ".join(b.cite for b in bugs if b.signature == sig)])
+    out = [("Known bug classes: what this audit covered (audit/known_bugs.py: real bugs of vLLM, llama.cpp, "
+            "SGLang, TGI, TensorRT-LLM and transformers)", ["check", "in this audit", "bug classes", "known bugs"],
+            rows)]
+    if failed:
+        out.append(("What the failures look like, and the known bugs with that signature",
+                    ["failed check", "signature", "known bugs"], failed))
     return out
 
 

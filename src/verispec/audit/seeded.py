@@ -312,13 +312,14 @@ def _level_row(test, null, null_max: float | None, label: str, judged: bool, dra
 
 def endpoint_seeded_check(a) -> CheckResult | None:
     """Seeded temperature-1 requests alone twice and in a batch mixed with unseeded ones: the
-    same answer every time, but for near-ties the reference shows too (None: the server kind
-    promises nothing for a seed)."""
+    same answer every time, but for near-ties the reference shows too (not applicable where
+    the server kind promises nothing for a seed)."""
     from .endpoint.null import compare as compare_answers
     from .stopping import drafted_in
     promise = _seed_promise(a)
     if promise is None:
-        return None
+        return CheckResult(True, f"not applicable: a {a.info.kind} server states no per-request seed to hold it to: "
+                                 "seeds not tested", {"applicable": False}, informational=True)
     reqs, top, kind = _seeded_requests(a), max(a.concurrency), a.info.kind
     first, second, batch, every = _side_runs(a.cfg, kind, reqs, top)
     tests = [compare_answers(first, second, 1)] + ([compare_answers(first, batch, top)] if batch else [])

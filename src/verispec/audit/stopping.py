@@ -185,9 +185,8 @@ STOP_CHARS = (4, 6, 8, 12)  # a stop string's lengths, tried in turn until one f
 
 
 def quick_audit(a) -> bool:
-    """The audit's size as EndpointAudit holds it: the floor's quick budget (or none) means --quick."""
-    from .floor import FloorBudget
-    return a.floor_budget is None or a.floor_budget == FloorBudget.quick()
+    """Whether the endpoint audit runs at the quick audit's sizes (--quick)."""
+    return a.quick
 
 
 def copy_prompts(a, copies: int, suite: int, tag: str) -> list:
