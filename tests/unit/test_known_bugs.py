@@ -13,7 +13,7 @@ from verispec.audit.registry import DISTRIBUTION
 
 # the patch names tests/vllm_patches/ answers to, spelled here apart from the module so a
 # rename on either side shows
-FIXED = {"uninitialised-temperature", "relaxed-acceptance", "target-temperature-skipped", "bonus-only-filters",
+FIXED = {"uninitialised-temperature", "counters-rejected-as-accepted", "relaxed-acceptance", "target-temperature-skipped", "bonus-only-filters",
          "penalties-skipped", "temperature-twice", "logprobs-placeholder", "logprobs-shifted",
          "counters-after-eos", "stop-leak", "max-tokens-overrun", "seed-ignored", "seed-misindexed",
          "recovered-from-target", "greedy-verify-sampled"}

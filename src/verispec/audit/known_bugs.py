@@ -28,12 +28,14 @@ CLASSES = ("sampling-parameters", "logprob-values", "speculative-counters", "sto
            "acceptance-rule", "uninitialised-buffer", "ragged-cache", "residual-distribution")
 SERVERS = ("vllm", "llama.cpp", "sglang", "tgi", "tensorrt-llm", "transformers")
 # the patches tests/vllm_patches/ apply by these names; some have no real report behind them
-# yet (temperature-twice, logprobs-shifted, max-tokens-overrun) and are kept as the classes
+# yet (temperature-twice, logprobs-shifted, max-tokens-overrun, counters-rejected-as-accepted)
+# and are kept as the classes
 # the audit must still fail
 RECREATIONS = ("uninitialised-temperature", "relaxed-acceptance", "target-temperature-skipped",
                "bonus-only-filters", "penalties-skipped", "temperature-twice", "logprobs-placeholder",
                "logprobs-shifted", "counters-after-eos", "stop-leak", "max-tokens-overrun", "seed-ignored",
-               "seed-misindexed", "recovered-from-target", "greedy-verify-sampled")
+               "seed-misindexed", "recovered-from-target", "greedy-verify-sampled",
+               "counters-rejected-as-accepted")
 CITE = re.compile(r"^[\w.-]+/[\w.-]+#\d+$")
 
 # what each class looks like in a FAIL, shared by the entries of that class where the words fit
@@ -238,7 +240,7 @@ CATALOGUE: tuple[KnownBug, ...] = (
         server="vllm", bug_class="residual-distribution",
         effect="vLLM's Ascend plugin zeroed the draft token in target_probs in place before cloning them for "
                "recovery, so sampled n-gram requests drew from an altered target distribution.",
-        signature=_RESIDUAL, check=DISTRIBUTION, recreated="recovered-from-target",
+        signature=_RESIDUAL, check=ACCEPTANCE, recreated="recovered-from-target",
         recreated_as="its analogue: the recovered token drawn from a distribution other than the residual"),
     # -- logprobs --------------------------------------------------------------------------------
     KnownBug(
