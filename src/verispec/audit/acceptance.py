@@ -119,6 +119,13 @@ CANDIDATES = tuple(NgramDrafter(k, lo, hi) for k, lo, hi in
                     (6, 2, 4), (8, 2, 4), (3, 1, 3), (5, 1, 5), (2, 1, 2), (1, 1, 3), (4, 1, 3), (6, 3, 6), (8, 3, 8)])
 
 
+# server kinds whose drafters the replay does not reproduce, and why (the check says so)
+NOT_REPLAYED = {"llama.cpp": "llama-server's drafters (a draft model, or its ngram types with their own match "
+                             "rules) are not replayed from outside",
+                "verispec": "verispec's drafters draft per row under its policy, not by a fixed prompt-lookup rule; "
+                            "its own audit tests acceptance offline"}
+
+
 def _replayable(r) -> bool:
     return (r.ok and bool(r.prompt_ids) and bool(r.token_ids) and all(isinstance(t, int) for t in r.token_ids)
             and r.top is not None and len(r.top) == len(r.token_ids))
@@ -210,7 +217,7 @@ def endpoint_acceptance_check(a: EndpointAudit) -> CheckResult | None:
         return CheckResult(True, "not applicable: the endpoint published no speculative counters over the sampled "
                                  "phase (it does not draft, or does not say): acceptance not tested",
                            {"applicable": False}, informational=True)
-    drafter, why = identify(srun.levels)
+    drafter, why = identify(srun.levels) if a.info.kind not in NOT_REPLAYED else (None, NOT_REPLAYED[a.info.kind])
     a.drafter_replay = drafter
     if drafter is None:
         return CheckResult(True, f"not applicable: {why}; acceptance not tested", {"applicable": False, "why": why},
