@@ -96,7 +96,8 @@ def test_fault_fails_the_audit(models, tmp_path, fault):
 NOT_EXERCISED = {("lookup", "stop-only-at-run-end"), ("lookup", "bonus-previous-position")}
 # prompt lookup draws nothing from a q: a fault in how a drafter draws from its q is in code
 # that a lookup deployment never runs, and its audit rightly passes
-NOT_RUN = {("lookup", "draft-drawn-top-p"), ("lookup", "draft-drawn-sharper")}
+NOT_RUN = {("lookup", f) for f in ("draft-drawn-top-p", "draft-drawn-sharper", "draft-drawn-top-k",
+                                    "draft-temperature-twice")}
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "layerskip"])
@@ -273,10 +274,11 @@ def test_distribution_reports_each_test_and_the_drafts_it_verified(models, tmp_p
     pooled = {"pit", "recovered", "bonus", "drafts", "calibration", "pit-tail", "recovered-tail", "bonus-tail",
               "drafts-tail", "probe-calibration", "probe-pit", "probe-pit-tail", "probe-recovered",
               "probe-recovered-tail", "probe-bonus", "probe-bonus-tail"}
-    per_setting = {f"{t} [{s}]" for t in ("pit", "calibration", "probe-calibration") for s in ("plain", "filtered")}
+    per_setting = {f"{t} [{s}]" for t in ("pit", "calibration", "probe-calibration", "drafts", "drafts-tail")
+                   for s in ("plain", "filtered")}
     assert {t["test"] for t in f["tests"]} == pooled | per_setting | {"outside-support"}
     # the count of tokens outside the filters' support is no statistical test: not in m
-    assert f["correction"] == "Bonferroni" and f["alpha_each"] == pytest.approx(f["alpha"] / 22)
+    assert f["correction"] == "Bonferroni" and f["alpha_each"] == pytest.approx(f["alpha"] / 26)
     assert f["verified_drafts"] >= f["min_verified_drafts"] and all(t["n"] > 0 for t in f["tests"])
     probe = next(t for t in f["tests"] if t["test"] == "probe-calibration")
     assert probe["n"] == f["probe"]["verified_drafts"] > 200
@@ -356,6 +358,28 @@ def test_a_drafter_that_draws_from_another_distribution_fails_the_drafts_own_pit
     report = _report(tiny_audit(models, fault=fault), tmp_path)
     tests = {t["test"]: t for t in next(c for c in report["checks"] if c["name"] == "distribution")["figures"]["tests"]}
     assert not tests["drafts"]["passed"] and tests["drafts"]["p_value"] < 1e-6, tests["drafts"]
+
+
+# where each fault moves the drafts' PIT: top 28 of the tiny draft q's 32 tokens leaves its
+# last ~3.5% of mass undrawn at T = 1 (the filtered setting keeps at most 23 tokens, so it is
+# untouched there), a deficit above 0.95 that KS over the drafts hardly sees; the temperature
+# twice is exact at T = 1 and moves the filtered setting's (T = 0.7) drafts alone
+TAIL_OR_ONE_SETTING = {"draft-drawn-top-k": ("drafts-tail [plain]", "filtered"),
+                       "draft-temperature-twice": ("drafts [filtered]", "plain")}
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "layerskip"])
+@pytest.mark.parametrize("fault", sorted(TAIL_OR_ONE_SETTING))
+def test_a_drafter_whose_draws_differ_in_q_tail_or_one_setting_fails_there(models, tmp_path, fault, drafter):
+    """A drafter that draws from its top-k and reports q unfiltered, or draws at T squared
+    and reports q at T: the drafts' per-setting tests fail the setting the fault acts in
+    (a deficit in q's tail fails the two-sided tail test), and pass the other one."""
+    report = _report(tiny_audit(models, fault=fault, drafter=drafter), tmp_path)
+    dist = next(c for c in report["checks"] if c["name"] == "distribution")
+    tests = {t["test"]: t for t in dist["figures"]["tests"]}
+    failing, exact = TAIL_OR_ONE_SETTING[fault]
+    assert not dist["passed"] and not tests[failing]["passed"], tests[failing]
+    assert tests[f"drafts [{exact}]"]["passed"] and tests[f"drafts-tail [{exact}]"]["passed"]
 
 
 FILTER_FAULTS = ["verify-filters-before-temperature", "verify-min-p-dropped-at-drafts"]

@@ -17,6 +17,10 @@ promises (stats.py):
 * **pit-tail**, **recovered-tail**, **bonus-tail**: the share of each family's PIT values
   above 0.99 is exactly 1% under the null (one-sided binomial test): a token that should
   (almost) never be emitted, as a recovered token drawn outside the residual, lands there;
+* **drafts**, **drafts-tail**: every draft's PIT under the q the drafter reported (KS), and
+  its share below t and above 1 - t for t in DRAFT_TAIL_CUTS, each exactly t (two-sided
+  binomial tests, Bonferroni over the six): a drafter that draws from a filtered q and
+  reports it unfiltered leaves q's far tail empty, a deficit that a test of an excess passes;
 
 * **probe-calibration**: the calibration test on the drafts of the calibration probe
   (audit/probe.py): extra requests where the target drafts for itself from a nucleus of its
@@ -62,10 +66,13 @@ from .consistency import oracle_for
 from .context import AuditContext
 from .equivalence import prefix_cache, teacher_forced_logits, tie_margin_for, tree_steps
 from .probe import nucleus_q, probe_drafter
-from .stats import calibration_test, randomized_pit, relaxed_power, tail_test, test_uniform
+from .stats import calibration_test, randomized_pit, relaxed_power, tail_test, test_uniform, two_tail_test
 
 ALPHA = 1e-3  # family-wise: false alarms of the correct engine in at most 1 audit in 1,000
 TAIL = 0.01  # the PIT tail tests: share of u above 1 - TAIL
+# the drafts' tail test: the share below t and above 1 - t for each t, both ways (a deficit
+# too); 0.2 reaches a filtered-out tail of q thicker than 5%
+DRAFT_TAIL_CUTS = (0.01, 0.05, 0.2)
 MIN_TOKENS_PER_PIT = 20  # a PIT family with fewer tokens is not run (and not counted in m)
 
 
@@ -243,11 +250,14 @@ FAMILIES = ("pit", "recovered", "bonus", "drafts")
 # a fault confined to one setting (a filter, a temperature) moves only its tokens, which
 # the pooled tests dilute with the others'. The PIT's KS test sees a distribution moved
 # either way (mass added or taken away), the calibration tests a verify distribution that
-# is not p. Each adds to m: on the Qwen quick audit's drafts (docs/audit-ggml-qwen) these
-# six take the power against relaxed-acceptance:1.2 from 59% to 58% (1.25: 100% still),
-# where every family per setting (m = 22) took it to 35%. A token outside the filtered
-# support needs no split: it is counted (outside-support), with no false alarm to spend.
-PER_SETTING = ("pit", "calibration", "probe-calibration")
+# is not p. Each adds to m: on the Qwen quick audit's drafts (docs/audit-ggml-qwen) the
+# first six take the power against relaxed-acceptance:1.2 from 59% to 58% (1.25: 100%
+# still), where every family per setting (m = 22) took it to 35%. The drafts' own tests
+# run per setting as well: a drafter that divides by the temperature twice is exact at
+# T = 1, and layer-skip's drafts at T = 1 diluted it to p = 0.004 over 3,434 drafts pooled,
+# a pass. A token outside the filtered support needs no split: it is counted
+# (outside-support), with no false alarm to spend.
+PER_SETTING = ("pit", "calibration", "probe-calibration", "drafts", "drafts-tail")
 
 
 def _outside_support(logits: torch.Tensor, p: torch.Tensor, out: torch.Tensor, params, margin: float) -> int:
@@ -302,10 +312,7 @@ def _tests(ev: _Evidence, setting: str | None, probe_masses: str) -> list[dict]:
                           if name == "drafts" else "KS, PIT over descending p", "statistic": t.ks_statistic,
                           "n": t.n, "p_value": t.p_value, "histogram": t.histogram})
         if run(f"{name}-tail"):
-            t = tail_test(u.numpy(), TAIL)
-            tests.append({"test": f"{name}-tail",
-                          "kind": f"binomial, share of PIT above {1 - TAIL:g} (exactly {TAIL:g})",
-                          "statistic": t.count / t.n, "n": t.n, "p_value": t.p_value, "count": t.count})
+            tests.append(_tail_test(name, u.numpy()))  # sync: for scipy
     for name, calib, kind in (("calibration", ev.calib, "z, kept vs min(1, p/q)"),
                               ("probe-calibration", ev.probe_calib,
                                f"z, kept vs min(1, p/q), q = target nucleus {probe_masses}")):
@@ -318,6 +325,23 @@ def _tests(ev: _Evidence, setting: str | None, probe_masses: str) -> list[dict]:
         if setting is not None:
             t["test"] = f"{t['test']} [{setting}]"
     return tests
+
+
+def _tail_test(name: str, u) -> dict:
+    """A family's tail test on its PIT values u: the drafts' both ways at each of
+    DRAFT_TAIL_CUTS (their q may lose its tail: a deficit), the others' an excess above
+    1 - TAIL (a token that should almost never be emitted)."""
+    if name == "drafts":
+        t = two_tail_test(u, DRAFT_TAIL_CUTS)
+        cuts = "/".join(f"{c:g}" for c in DRAFT_TAIL_CUTS)
+        return {"test": f"{name}-tail", "statistic": t.above[1] / t.n, "n": t.n, "p_value": t.p_value,
+                "kind": f"binomial two-sided, shares of PIT below t and above 1 - t for t = {cuts} "
+                        f"(exactly t; Bonferroni over {2 * len(DRAFT_TAIL_CUTS)}); statistic: the share above "
+                        f"{1 - DRAFT_TAIL_CUTS[1]:g}",
+                "below": list(t.below), "above": list(t.above), "worst": t.worst}
+    t = tail_test(u, TAIL)
+    return {"test": f"{name}-tail", "kind": f"binomial, share of PIT above {1 - TAIL:g} (exactly {TAIL:g})",
+            "statistic": t.count / t.n, "n": t.n, "p_value": t.p_value, "count": t.count}
 
 
 SOURCES = ("deployed", "probe")

@@ -131,6 +131,44 @@ def tail_test(u, tail: float = 0.01) -> TailTest:
 tail_test.__test__ = False  # not a pytest test, despite the name
 
 
+@dataclass(frozen=True)
+class TwoTailTest:
+    """Two-sided binomial tests of the count of PIT values below t and of those above 1 - t
+    (each a share of exactly t under the null), for each t of `cuts`. A drafter that draws
+    from a filtered q while it reports q unfiltered leaves q's far tail empty: a deficit
+    there, which a test of an excess alone passes; one that draws sharper than it reports
+    piles its draws below t and thins them above 1 - t. p_value: the smallest of the
+    2 len(cuts) p-values times their number (Bonferroni), a valid p-value whatever their
+    dependence (the cuts are nested)."""
+
+    n: int
+    cuts: tuple[float, ...]
+    below: tuple[int, ...]  # per cut t: values below t
+    above: tuple[int, ...]  # per cut t: values above 1 - t
+    p_value: float
+    worst: str  # the count that gave the smallest p-value, against its expectation
+
+    def passed(self, alpha: float) -> bool:
+        return self.p_value > alpha
+
+
+def two_tail_test(u, cuts: tuple[float, ...] = (0.01, 0.05, 0.2)) -> TwoTailTest:
+    u = np.asarray(u, dtype=np.float64)
+    if u.size == 0:
+        raise ValueError("no samples to test")
+    n = int(u.size)
+    below = tuple(int((u < t).sum()) for t in cuts)
+    above = tuple(int((u > 1.0 - t).sum()) for t in cuts)
+    found = [(float(sps.binomtest(k, n, t).pvalue), f"{k} {side} {edge:g} ({n * t:.1f} expected)")
+             for t, lo, hi in zip(cuts, below, above) for k, side, edge in ((lo, "below", t), (hi, "above", 1 - t))]
+    p, worst = min(found)
+    return TwoTailTest(n=n, cuts=tuple(cuts), below=below, above=above, p_value=min(1.0, p * len(found)),
+                       worst=worst)
+
+
+two_tail_test.__test__ = False  # not a pytest test, despite the name
+
+
 def fisher_greater(d_test: int, n_test: int, d_null: int, n_null: int) -> float:
     """One-sided p-value that the test run differs from its base more often than the null
     run did (Fisher's exact test on [[d, n - d], [d0, n0 - d0]])."""

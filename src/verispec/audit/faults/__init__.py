@@ -33,6 +33,8 @@ from .catalogue import EXPECTED_CHECK, FAULTS, expect, register  # noqa: F401 - 
 from .catalogue import PARTS as _PARTS
 from ..registry import DISTRIBUTION, DRAFTER_CONSISTENCY, EQUIVALENCE, SEEDED, STOPPING
 
+DRAWN_TOP_K = 28  # draft-drawn-top-k: the tokens of q its drafts are drawn from
+
 FAULTS.update({
     "rollback-off-by-one": "KV rollback keeps one token too few after each step",
     "positions-not-realigned": "positions of every row continue from the batch's longest row",
@@ -57,6 +59,10 @@ FAULTS.update({
                          "while it reports q itself: a filter applied on one side only",
     "draft-drawn-sharper": "a drafter with q draws its drafts from q squared (renormalised: half the "
                            "temperature) while it reports q",
+    "draft-drawn-top-k": f"a drafter with q draws its drafts from the top {DRAWN_TOP_K} tokens of q "
+                         "(renormalised) while it reports q unfiltered: q's tail is never drawn",
+    "draft-temperature-twice": "a drafter with q divides its logits by the temperature twice for its draws "
+                               "(drawn at T squared) while it reports q at T: exact at T = 1 only",
 })
 
 # the audit check that is meant to catch each fault (others may fail too)
@@ -78,6 +84,10 @@ for _fault, _check in {
     # under the reported q (prompt lookup draws nothing: nothing to break)
     "draft-drawn-top-p": DISTRIBUTION,
     "draft-drawn-sharper": DISTRIBUTION,
+    # these two move the drafts' PIT mostly in q's tails (an empty far tail), or under one
+    # sampling setting only (T < 1): the drafts' two-sided tail test and per-setting tests
+    "draft-drawn-top-k": DISTRIBUTION,
+    "draft-temperature-twice": DISTRIBUTION,
 }.items():
     expect(_fault, _check)
 
@@ -289,6 +299,49 @@ class _DrawnSharper(DrafterHooks):
         return (q2 / q2.sum()).to(q.dtype)
 
 
+class _DrawnTopK(DrafterHooks):
+    def drawn_q(self, q):  # the top DRAWN_TOP_K of q, renormalised; q itself is what the verifier reads
+        if int((q > 0).sum()) <= DRAWN_TOP_K:
+            return q
+        keep = torch.zeros_like(q)
+        top = q.topk(DRAWN_TOP_K).indices
+        keep[top] = q[top]
+        return keep / keep.sum()
+
+
+class _TemperatureTwice(DrafterHooks):
+    """Draws from q^(1/T) on q's support, that is softmax(logits / T / T) under the same
+    filters, while q at T is reported. The hooks see q and the logits, not the setting: T is
+    read off them (on q's support, log q is logits / T plus a constant), and a q that is not
+    such a tempered softmax on three or more tokens (the calibration probe's nucleus, whose
+    boundary token breaks the proportion) is drawn as it is. The draw follows the report of
+    the same q (draft_from_logits: reported_q, then drawn_q); a q nobody records is drawn
+    as it is too."""
+
+    def __init__(self):
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (q reported, q drawn)
+
+    def reported_q(self, q, logits):
+        self.last = (q, self._squared_temperature(q, logits))
+        return q
+
+    def drawn_q(self, q):
+        return self.last[1] if self.last is not None and self.last[0] is q else q
+
+    @staticmethod
+    def _squared_temperature(q, logits):
+        on = q > 0
+        lq, lg = q[on].double().log(), logits[: q.shape[-1]][on].double()
+        if lq.numel() < 3 or float(lq.max() - lq.min()) < 1e-6:
+            return q
+        T = float((lg.max() - lg.min()) / (lq.max() - lq.min()))
+        if float(((lq - lq.max()) - (lg - lg.max()) / T).abs().max()) > 1e-3:  # not softmax(logits / T)
+            return q
+        drawn = torch.zeros_like(q, dtype=torch.float64)
+        drawn[on] = ((lq - lq.max()) / T).exp()  # q^(1/T), scaled for range
+        return (drawn / drawn.sum()).to(q.dtype)
+
+
 class _RawQ(DrafterHooks):
     def reported_q(self, q, logits):  # drawn under the sampling settings, reported raw
         return logits.float().softmax(-1)
@@ -319,6 +372,8 @@ _PARTS.update({
     "draft-q-untempered": lambda c: {"drafter": _RawQ(), "step": _NoQReadAsP()},
     "draft-drawn-top-p": lambda c: {"drafter": _DrawnNucleus()},
     "draft-drawn-sharper": lambda c: {"drafter": _DrawnSharper()},
+    "draft-drawn-top-k": lambda c: {"drafter": _DrawnTopK()},
+    "draft-temperature-twice": lambda c: {"drafter": _TemperatureTwice()},
 })
 
 
