@@ -66,12 +66,20 @@ def server_kwargs(name: str | None) -> dict:
 
 
 def evidence(check: dict) -> str:
-    """The failing figure of a check in words: a p-value, a count or its summary's start."""
+    """The failing figure of a check in words: the smallest p of its failed tests, else its
+    p-value, a share or count of findings, or its summary's start."""
     f = check.get("figures") or {}
-    for key in ("p_value", "min_p_value"):
-        if isinstance(f.get(key), (int, float)):
-            return f"p = {f[key]:.2g}"
-    if isinstance(f.get("failures"), int):
+    failed = [t["p_value"] for t in f.get("tests") or [] if not t.get("passed") and t.get("p_value") is not None]
+    for s in f.get("settings") or []:  # sampling-params: each setting's KS tests
+        failed += [t["p_value"] for k in ("pit", "pit-drafted") if (t := s.get(k)) and s.get("passed") is False
+                   and t.get("p_value") is not None]
+        if s.get("passed") is False and s.get("out_of_support"):
+            return f"{s['label']}: {s['out_of_support']} tokens outside the setting's support"
+    if failed:
+        return f"p = {min(failed):.2g}"
+    if isinstance(f.get("p_value"), (int, float)):
+        return f"p = {f['p_value']:.2g}" + (f", z = {f['z']:.1f}" if isinstance(f.get("z"), (int, float)) else "")
+    if isinstance(f.get("failures"), int) and f["failures"]:
         return f"{f['failures']} findings"
     return (check.get("summary") or "")[:90]
 
