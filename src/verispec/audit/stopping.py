@@ -351,8 +351,11 @@ def endpoint_stopping_check(a) -> CheckResult:
     base = send_each([(ref_cfg, p) for p in prompts], 1)
     own = send_each([(cfg, p) for p in prompts], 1) if a.ref_cfg else base
     comparable = [(p, b) for p, b, e in zip(prompts, base, own) if b.ok and e.ok and b.text == e.text]
+    leaks = _end_of_text_leaks(prompts, base, own) if a.ref_cfg else []
     rng = random.Random(a.seed)
     cuts = [c for p, b in comparable for c in _cuts(p, b, kind, rng)]
+    if not cuts and leaks:
+        return _stopping_result(a, prompts, comparable, cuts, [], 0, 0, leaks, [], drafted_in(own))
     if not cuts:
         return CheckResult(False, f"INCONCLUSIVE: no greedy answer to cut ({len(comparable)} of {len(prompts)} "
                            "prompts answered alike by the endpoint and the reference)",
@@ -362,7 +365,7 @@ def endpoint_stopping_check(a) -> CheckResult:
     top = max(a.concurrency)
     sides = [("endpoint c=1", cfg, 1)] + ([(f"endpoint c={top}", cfg, top)] if top > 1 else [])
     ref = send_each([(c.cfg(ref_cfg), c.prompt) for c in cuts], 1) if a.ref_cfg else [None] * len(cuts)
-    rows, judged, sent, disagree = [], 0, len(cuts) if a.ref_cfg else 0, []
+    rows, judged, sent, disagree = list(leaks), 0, len(cuts) if a.ref_cfg else 0, []
     for side, scfg, conc in sides:
         got = send_each([(c.cfg(scfg), c.prompt) for c in cuts], conc)
         sent += len(got)
@@ -373,6 +376,24 @@ def endpoint_stopping_check(a) -> CheckResult:
             judged += want is not None
             rows += [c.row(g, "; ".join(why), side) for why in [_problems(c, g, want, unstopped[c.prompt.id])] if why]
     return _stopping_result(a, prompts, comparable, cuts, sides, sent, judged, rows, disagree, drafted_in(own))
+
+
+def _end_of_text_leaks(prompts, base, own) -> list[dict]:
+    """Unstopped greedy answers that run on past the end-of-text where the reference's ends
+    (finish "stop"): the reference's whole text, then more. A near-tie could flip the end-of-text
+    token itself, but an answer that repeats the reference to its end and goes on is the
+    signature of an end-of-text inside an accepted run that did not end the request
+    (sgl-project/sglang#31599); such a prompt is not set aside as numerics."""
+    out = []
+    for p, b, e in zip(prompts, base, own):
+        if b.ok and e.ok and b.finish_reason == "stop" and b.text and e.text != b.text and \
+                (e.text or "").startswith(b.text):
+            out.append({"prompt": p.id, "side": "endpoint c=1 (no stop sent)", "cut": "end of text", "value": None,
+                        "expected_end": b.text[-30:], "got_end": (e.text or "")[-30:], "expected_reason": "stop",
+                        "got_reason": e.finish_reason, "completion_tokens": e.completion_tokens,
+                        "why": f"the answer runs on for {len(e.text) - len(b.text)} characters past the end-of-text "
+                               "where the reference's answer ends"})
+    return out
 
 
 def _stopping_result(a, prompts, comparable, cuts, sides, sent, judged, rows, disagree, drafted) -> CheckResult:
