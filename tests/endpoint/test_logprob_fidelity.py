@@ -285,8 +285,10 @@ def test_a_server_that_lists_no_logprobs_is_not_applicable_and_an_unknown_kind_i
     answers = [PromptResult("s0#0", "a", text="abc", completion_tokens=3)]
     run = EndpointRun("http://x", "m", "vllm", False, [LevelRun(1, 1.0, answers, None)])
     a = SimpleNamespace(info=SimpleNamespace(kind="vllm"), ref_info=None, ref_cfg=None, cfg=EndpointConfig("http://x"),
-                        sampled=lambda: run)
+                        sampled=lambda: run, sampled_tokens=256)
     c = lf.endpoint_logprobs_check(a)
     assert c.passed and c.informational and c.summary == "not applicable: the server lists no logprobs"
     a.info.kind = "tgi"
+    assert lf.endpoint_logprobs_check(a) is None
+    a.info.kind, a.sampled_tokens = "vllm", 0  # --sampled-tokens 0: no sampled phase to read
     assert lf.endpoint_logprobs_check(a) is None
