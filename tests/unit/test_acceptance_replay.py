@@ -155,3 +155,14 @@ def test_positions_outside_the_buckets_are_left_out():
     assert len(top2.p) + top2.unlisted == len(everything.p)
     assert top2.unlisted > 0
     assert isinstance(Positions(), Positions)
+
+
+def test_the_verdicts_critical_value_comes_from_the_null_replays():
+    from verispec.audit.acceptance import mc_p_value, null_critical, replayed_rates
+    pos = collect(_results(1.0, 12, 5)[0], NgramDrafter(), buckets=V)
+    null, zc = null_critical(pos.p, alpha=0.01, reps=20000, seed=3)
+    # an exact server's replays (another stream) reject at most about alpha at that critical value
+    rate = replayed_rates(pos.p, cs=(1.0,), reps=20000, seed=9, alpha=0.01, zc=zc)["1"]
+    assert rate <= 0.01 + 3 * math.sqrt(0.01 * 0.99 / 20000)
+    assert mc_p_value(null, 0.0) == 1.0 and mc_p_value(null, 50.0) == 1 / (1 + len(null))
+    assert abs(mc_p_value(null, zc) - 0.01) < 0.003

@@ -41,6 +41,10 @@ from .endpoint.state import EndpointAudit
 
 ALPHA = 1e-3  # the distribution tests' alpha: a verdict of "lossy" must be beyond doubt
 POWER = 0.95
+# further rounds are sampled until the power against the target c reaches this (above POWER:
+# the power is itself an estimate, so the audit that stops there still holds 95%)
+POWER_TO_STOP = 0.97
+NULL_REPS = 20000  # replays of the exact server behind the verdict's critical value
 TARGET_C = {True: 1.25, False: 1.1}  # quick audit, full audit: the relaxation it must catch
 EXTRA_TOKENS = {True: 6000, False: 20000}  # the most further tokens it may sample for that
 MIN_POSITIONS = 100
@@ -75,21 +79,46 @@ def z_test(ps: list[float], acc: list[bool]) -> tuple[float, float, float]:
     return (num / sd if sd > 0 else 0.0), num, sd
 
 
-def power(ps: list[float], c: float, alpha: float = ALPHA) -> float:
-    """The chance that the two-sided test at alpha rejects when the server accepts with
-    min(1, c p) at these positions (normal approximation of Z under c)."""
+def null_critical(ps: list[float], alpha: float = ALPHA, reps: int = NULL_REPS, seed: int = 0):
+    """|Z| of `reps` replays of an exact server at these positions (each a ~ Bernoulli(p)),
+    sorted, and the critical value at alpha: the verdict's yardstick. Z's tails at a few
+    hundred positions with weights up to 5 are heavier than the normal's (the normal critical
+    value rejects an exact server in about 0.12-0.15% of replays at alpha 0.1%), so the
+    rule is read off the null replays themselves."""
+    import numpy as np
+    p = np.asarray(ps, dtype=float)
+    w = 1.0 / np.maximum(1.0 - p, W_FLOOR)
+    sd0 = float(np.sqrt((w * w * p * (1 - p)).sum())) or 1.0
+    rng, out = np.random.default_rng(seed), []
+    for start in range(0, reps, 2000):  # in blocks: reps x positions booleans at once would be large
+        acc = rng.random((min(2000, reps - start), len(p))) < p
+        out.append(np.abs(((acc - p) * w).sum(axis=1) / sd0))
+    null = np.sort(np.concatenate(out)) if out else np.zeros(0)
+    return null, float(np.quantile(null, 1 - alpha)) if len(null) else float("inf")
+
+
+def mc_p_value(null, z: float) -> float:
+    """The share of null replays at least as extreme as z (the replay counts as one of them)."""
+    import numpy as np
+    return float((1 + len(null) - np.searchsorted(null, abs(z), side="left")) / (1 + len(null)))
+
+
+def power(ps: list[float], c: float, alpha: float = ALPHA, zc: float | None = None) -> float:
+    """The chance that the two-sided test rejects when the server accepts with min(1, c p)
+    at these positions (normal approximation of Z under c), at the critical value zc (None:
+    the normal one at alpha)."""
     from scipy.stats import norm
     sd0 = math.sqrt(sum(weight(p) ** 2 * p * (1 - p) for p in ps))
     if sd0 == 0:
         return 0.0
     shift = sum(weight(p) * (min(1.0, c * p) - p) for p in ps)
     sd1 = math.sqrt(sum(weight(p) ** 2 * min(1.0, c * p) * (1 - min(1.0, c * p)) for p in ps)) or 1e-12
-    zc = norm.isf(alpha / 2)
+    zc = norm.isf(alpha / 2) if zc is None else zc
     return float(norm.sf((zc * sd0 - shift) / sd1) + norm.cdf((-zc * sd0 - shift) / sd1))
 
 
-def replayed_rates(ps: list[float], cs=(1.0,) + GRID, reps: int = 2000, seed: int = 0,
-                   alpha: float = ALPHA) -> dict[str, float]:
+def replayed_rates(ps: list[float], cs=(1.0,) + GRID, reps: int = 2000, seed: int = 1,
+                   alpha: float = ALPHA, zc: float | None = None) -> dict[str, float]:
     """The share of `reps` replays whose test rejects, the outcomes at the audit's own
     positions drawn as a server accepting with min(1, c p) would (c = 1: the exact server:
     the false-alarm rate), for each c: the normal approximation of `power` checked by
@@ -101,7 +130,8 @@ def replayed_rates(ps: list[float], cs=(1.0,) + GRID, reps: int = 2000, seed: in
         return {}
     w = 1.0 / np.maximum(1.0 - p, W_FLOOR)
     sd0 = float(np.sqrt((w * w * p * (1 - p)).sum()))
-    zc, rng, out = norm.isf(alpha / 2), np.random.default_rng(seed), {}
+    zc = norm.isf(alpha / 2) if zc is None else zc
+    rng, out = np.random.default_rng(seed), {}
     for c in cs:
         acc = rng.random((reps, len(p))) < np.minimum(1.0, c * p)
         z = ((acc - p) * w).sum(axis=1) / sd0 if sd0 else np.zeros(reps)
@@ -109,8 +139,8 @@ def replayed_rates(ps: list[float], cs=(1.0,) + GRID, reps: int = 2000, seed: in
     return out
 
 
-def smallest_detectable(ps: list[float], alpha: float = ALPHA) -> float | None:
-    return next((c for c in GRID if power(ps, c, alpha) >= POWER), None)
+def smallest_detectable(ps: list[float], alpha: float = ALPHA, zc: float | None = None) -> float | None:
+    return next((c for c in GRID if power(ps, c, alpha, zc) >= POWER), None)
 
 
 # the configurations tried, most common first (vLLM's documented example first)
@@ -190,7 +220,7 @@ def _more(a: EndpointAudit, pos: Positions, drafter: NgramDrafter, buckets: int,
     from .endpoint.sampled import drafting_mix
     by_id = {p.id: p for p in drafting_mix(a.prompts)}
     cap, spent, runs = EXTRA_TOKENS[a.quick], 0, []
-    while power(pos.p, target) < POWER and spent < cap:
+    while power(pos.p, target, zc=null_critical(pos.p, reps=4000)[1]) < POWER_TO_STOP and spent < cap:
         ranked = sorted((pid for pid in pos.info_by_prompt if pid in by_id),
                         key=lambda pid: -pos.info_by_prompt[pid][0] / max(1, pos.info_by_prompt[pid][1]))
         chosen = [by_id[pid] for pid in ranked[:max(2, len(ranked) // 3)]]
@@ -207,17 +237,20 @@ def _more(a: EndpointAudit, pos: Positions, drafter: NgramDrafter, buckets: int,
 
 
 def figures_of(pos: Positions, alpha: float = ALPHA) -> dict:
-    """The test and its power over the positions gathered."""
+    """The test and its power over the positions gathered: Z against its null replays."""
     from scipy.stats import norm
     z, excess, sd = z_test(pos.p, pos.a)
     n = len(pos.p)
+    null, zc = null_critical(pos.p, alpha)
     return {"positions": n, "unlisted_positions": pos.unlisted, "accepted": sum(pos.a),
             "expected_accepted": sum(pos.p), "acceptance": sum(pos.a) / n if n else None,
             "predicted_acceptance": sum(pos.p) / n if n else None, "z": z, "weighted_excess": excess,
-            "null_sd": sd, "p_value": float(2 * norm.sf(abs(z))) if sd else None, "alpha": alpha,
-            "weight": f"1 / max(1 - p, {W_FLOOR})",
-            "power_vs_relaxed": {f"{c:g}": power(pos.p, c, alpha) for c in GRID},
-            "smallest_c_95": smallest_detectable(pos.p, alpha), "replayed_rates": replayed_rates(pos.p, alpha=alpha)}
+            "null_sd": sd, "p_value": mc_p_value(null, z) if sd else None,
+            "p_normal": float(2 * norm.sf(abs(z))) if sd else None, "critical_z": zc, "null_replays": len(null),
+            "alpha": alpha, "weight": f"1 / max(1 - p, {W_FLOOR})",
+            "power_vs_relaxed": {f"{c:g}": power(pos.p, c, alpha, zc) for c in GRID},
+            "smallest_c_95": smallest_detectable(pos.p, alpha, zc),
+            "replayed_rates": replayed_rates(pos.p, alpha=alpha, zc=zc)}
 
 
 def endpoint_acceptance_check(a: EndpointAudit) -> CheckResult | None:
