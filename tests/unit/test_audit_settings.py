@@ -135,7 +135,7 @@ def test_a_tiny_audit_reports_each_settings_share_and_tests(models):
         assert {f"pit [{label}]", f"calibration [{label}]", f"probe-calibration [{label}]"} <= set(names)
     # every test with data in one Bonferroni family; the count of impossible tokens outside it
     m = sum(not t.get("impossible") for t in f["tests"])
-    assert m == 22 and f["alpha_each"] == pytest.approx(ALPHA / m)
+    assert m == 26 and f["alpha_each"] == pytest.approx(ALPHA / m)
     support = next(t for t in f["tests"] if t["test"] == "outside-support")
     assert support["passed"] and support["statistic"] == 0 and support["n"] == f["n"] + probe_pit["n"]
     assert "plain (T=1, no filter): 1500 tokens" in check["summary"]
