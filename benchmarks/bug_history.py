@@ -167,14 +167,15 @@ def main() -> None:
 
 
 def table(out: dict) -> str:
-    lines = ["| re-created bug | real bugs of its class | check | result | evidence | minutes |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| re-created bug | class | real bugs of its class | check | result | evidence | minutes |",
+             "|---|---|---|---|---|---|---|"]
     for r in out["bugs"]:
-        lines.append(f"| {r['bug']} | {', '.join(r['cites']) or 'none cited (a class of its own)'} | {r['check']} | "
+        lines.append(f"| {r['bug']} | {', '.join(r['classes']) or '-'} | "
+                     f"{', '.join(r['cites']) or 'none cited (a class of its own)'} | {r['check']} | "
                      f"{r['status'].upper()} | {r['evidence']} | {r['elapsed_s'] / 60:.1f} |")
     b = out.get("baseline")
     if b:
-        lines.append(f"| (none: the bug-free server, whole quick audit) | - | all | {b['verdict'].upper()} | "
+        lines.append(f"| (none: the bug-free server, whole quick audit) | - | - | all | {b['verdict'].upper()} | "
                      f"{', '.join(b['failed']) or '-'} | {b['elapsed_s'] / 60:.1f} |")
     return "\n".join(lines)
 
