@@ -13,13 +13,12 @@ directions, by the statistics alone:
 * the same server with that fix (tests/vllm_patches) passes, with the drafts it verified
   in the sampled phase read from its counters, and the reference's prompt_logprobs
   scoring every token;
-* vLLM as released also counts drafts accepted past an answer's end (vllm-project/vllm#56101):
-  the counters check, replaying the drafts from the answers, fails it;
 * with the fixes of the real bugs the build ships with (tests/vllm_server.FIXES) the whole
   audit passes;
 * with a relaxed acceptance rule injected into vLLM's own rejection sampler (accept with
   min(1, 1.25 p/q)) it fails on acceptance calibration: each replayed draft's acceptance
-  against the target's p.
+  against the target's p; and 0.32.0's counters, which count drafts accepted past an
+  answer's end (vllm-project/vllm#56101), fail counter fidelity.
 
 About 10 minutes on 2 cores: each server starts in ~30-60 s, and only the plain reference
 and one speculative server run at once (an idle vLLM worker keeps a core busy).
@@ -104,13 +103,9 @@ def test_plain_vllm_against_itself_passes_every_check(plain, prompts):
     assert report["record"]["server"]["kind"] == "vllm" and report["record"]["server"]["version"] == "0.32.0"
 
 
-def test_vllm_ngram_as_released_fails_on_distribution_and_counters(plain, model_dir, prompts):
+def test_vllm_ngram_as_released_fails_on_distribution(plain, model_dir, prompts):
     with VllmServer(model_dir, name="smollm2", spec=NGRAM) as spec:
-        report = _audit(spec.url, plain.url, prompts, only=("distribution", "counter-fidelity"))
-    counters = _check(report, "counter-fidelity")
-    # vllm-project/vllm#56101: drafts accepted past an answer's end (EOS, max_tokens) are counted
-    assert counters["status"] == "fail" and "past the ends of answers" in counters["summary"], counters["summary"]
-    assert counters["figures"]["replayed"] and counters["figures"]["accepted_past_end"] > 0
+        report = _audit(spec.url, plain.url, prompts, only=("distribution",))
     dist = _check(report, "distribution")
     assert not dist["passed"] and dist["figures"]["verified_drafts"] >= 200, dist["summary"]  # a verdict
     # the garbage is whatever the freed memory held, so how it skews the drafted positions varies
@@ -134,16 +129,25 @@ def test_vllm_ngram_with_the_expand_fix_passes_and_reports_its_counters(plain, m
     assert slices["figures_from"] == "/metrics counters (vllm)" and slices["pooled_acceptance_rate"] is not None
 
 
-def test_vllm_with_a_relaxed_acceptance_rule_fails_on_acceptance(plain, model_dir, prompts):
+def test_vllm_with_a_relaxed_acceptance_rule_fails_on_acceptance_and_its_counters_on_56101(plain, model_dir, prompts):
     """min(1, 1.25 p/q): 25% too generous, which the PIT of 2,000 tokens does not see; the
-    replayed drafts' acceptance against p does."""
+    replayed drafts' acceptance against p does. The server keeps 0.32.0's counters
+    (vllm-project/vllm#56101: drafts accepted past an answer's end counted): the counters
+    check replays the drafts and fails every count past an end. (As released, #55005's
+    garbage temperatures leave the replay unable to reproduce the counters: not covered.)"""
     with VllmServer(model_dir, name="smollm2", spec=NGRAM, fix_expand=True, relaxed=1.25) as spec:
-        report = _audit(spec.url, plain.url, prompts, only=("acceptance-calibration",))
+        report = _audit(spec.url, plain.url, prompts, only=("acceptance-calibration", "counter-fidelity"))
     acc = _check(report, "acceptance-calibration")
-    assert [c["name"] for c in report["checks"]][:1] == ["acceptance-calibration"]  # --only in endpoint mode
+    assert [c["name"] for c in report["checks"]][:2] == ["acceptance-calibration", "counter-fidelity"]
     f = acc["figures"]
     assert acc["status"] == "fail" and f["z"] > 0 and "more often" in acc["summary"], acc["summary"]
     assert f["drafter"].startswith("vLLM ngram k=4") and f["positions"] >= 300
+    counters = _check(report, "counter-fidelity")
+    assert counters["figures"]["replayed"], counters["summary"]
+    if counters["figures"]["accepted_past_end"] > 0:  # an answer cut inside an accepted run: usual, not certain
+        assert counters["status"] == "fail" and "past the ends of answers" in counters["summary"]
+    else:
+        assert counters["status"] == "pass", counters["summary"]
 
 
 def test_vllm_block_verification_is_exact_and_passes(plain, model_dir, prompts):
