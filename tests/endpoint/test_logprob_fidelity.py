@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
-import time
 
 import httpx
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from tests.server.helpers import LiveServer, free_socket, make_state
+from tests.server.helpers import LiveServer, Served, make_state
 from verispec.audit import logprob_fidelity as lf
 from verispec.audit.endpoint.client import EndpointConfig, PromptResult
 from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit
@@ -216,30 +214,6 @@ def proxy(upstream: str, corrupt) -> FastAPI:
             text = _rewrite(text, corrupt)
         return Response(text, status_code=r.status_code, media_type=r.headers.get("content-type"))
     return app
-
-
-class Served:
-    """An ASGI app on 127.0.0.1 (a free port) in a thread."""
-
-    def __init__(self, app):
-        import uvicorn
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.sock = free_socket()
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the proxy did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ endpoint's own requests (those without "verispec": {"speculate": false}), so the
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx
 import pytest
@@ -21,7 +19,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from tests.server.helpers import LiveServer, free_socket, make_state
+from tests.server.helpers import LiveServer, Served, make_state
 from verispec.audit.endpoint.runner import EndpointAuditConfig, run_endpoint_audit
 from verispec.audit.registry import SEEDED, STOPPING
 from verispec.audit.stopping import CUT_LAST
@@ -48,30 +46,6 @@ def _corrupting_proxy(upstream: str, corrupt):
         return StreamingResponse(r.aiter_raw(), status_code=r.status_code,
                                  media_type=r.headers.get("content-type"), background=BackgroundTask(close))
     return Starlette(routes=[Route("/{path:path}", handle, methods=["GET", "POST"])])
-
-
-class _Served:
-    """uvicorn serving an app on 127.0.0.1 in a thread (LiveServer serves a ServerState)."""
-
-    def __init__(self, app):
-        import uvicorn
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.sock = free_socket()
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the proxy did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.sock.close()
 
 
 def _drop(key):
@@ -110,7 +84,7 @@ def test_a_correct_server_passes(server, name):
 @pytest.mark.parametrize("corrupt, why", [(_drop("stop"), "the stop string is in the text"),
                                           (_overrun, "tokens for max_tokens")])
 def test_a_server_that_mishandles_stops_fails(server, corrupt, why):
-    with _Served(_corrupting_proxy(server.url, corrupt)) as proxy:
+    with Served(_corrupting_proxy(server.url, corrupt)) as proxy:
         c = _check(proxy.url, STOPPING.name)
     assert c["status"] == "fail", c["summary"]
     assert c["figures"]["wrong"] > 0
@@ -118,7 +92,7 @@ def test_a_server_that_mishandles_stops_fails(server, corrupt, why):
 
 
 def test_a_server_that_ignores_seeds_fails(server):
-    with _Served(_corrupting_proxy(server.url, _drop("seed"))) as proxy:
+    with Served(_corrupting_proxy(server.url, _drop("seed"))) as proxy:
         c = _check(proxy.url, SEEDED.name)
     assert c["status"] == "fail", c["summary"]
     alone = c["details"]["per_config"][0]

@@ -197,3 +197,27 @@ def metric(text: str, name: str, **labels) -> float:
         if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
             total += value
     return total
+
+
+class Served:
+    """An ASGI app (a test's proxy or fake server) served on 127.0.0.1 (a free port) in a thread."""
+
+    def __init__(self, app):
+        import uvicorn
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.sock = free_socket()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the app did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
